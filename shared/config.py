@@ -1,0 +1,276 @@
+"""The one cluster config file that drives the local launcher, every service and compose.yaml.
+
+Precedence (lowest to highest): built-in defaults < the TOML file < environment variables
+(`KUNSERVE__<SECTION>__<KEY>=value`, e.g. `KUNSERVE__DISPATCHER__PORT=6000`) < command-line flags.
+Every error names the file, the field and what was expected, so a user never sees a traceback for a
+typo in the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ENV_PREFIX = "KUNSERVE__"
+CONFIG_ENV = "KUNSERVE_CONFIG"  # path of the config file when --config is not given
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown or of the wrong type/range; the message names it."""
+
+
+@dataclass
+class ModelSection:
+    path: str = ""  # local HF-format directory; empty = the embedded tiny model
+    dtype: str = "float32"
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0  # seed of the embedded model's random weights
+
+
+@dataclass
+class ServiceSection:
+    host: str = "127.0.0.1"  # the address peers use to reach it
+    port: int = 0
+    bind: str = ""  # address to listen on; empty = host (containers set 0.0.0.0)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def bind_address(self) -> str:
+        return f"{self.bind or self.host}:{self.port}"
+
+
+@dataclass
+class WorkerSection(ServiceSection):
+    id: str = ""
+    layer_start: int = 0
+    layer_end: int = -1  # -1 = all layers of the model
+
+
+@dataclass
+class EngineSection:
+    block_size: int = 16  # tokens per KV block
+    pool_mib: int = 256  # memory per worker for weights + KV cache
+    max_num_batched_tokens: int = 256  # per-iteration token budget
+    max_num_seqs: int = 64
+    threads: int = 0  # torch threads per worker; 0 = share of the cores
+
+
+@dataclass
+class MonitorSection(ServiceSection):
+    port: int = 50053
+    stats_interval_s: float = 0.2
+    stale_after_s: float = 3.0  # a worker silent for longer is reported unhealthy
+
+
+@dataclass
+class SLOSection:
+    ttft_ms: float = 5000.0
+    tbt_ms: float = 200.0
+
+
+@dataclass
+class LoggingSection:
+    format: str = "auto"  # auto (pretty on a terminal, JSON otherwise) | json | console
+    level: str = "info"
+
+
+@dataclass
+class ClusterConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    dispatcher: ServiceSection = field(default_factory=lambda: ServiceSection(port=50051))
+    memory_manager: ServiceSection = field(default_factory=lambda: ServiceSection(port=50052))
+    monitor: MonitorSection = field(default_factory=MonitorSection)
+    workers: list[WorkerSection] = field(default_factory=list)
+    engine: EngineSection = field(default_factory=EngineSection)
+    slo: SLOSection = field(default_factory=SLOSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    source: str = "<defaults>"  # where it was loaded from, for messages
+
+    def worker(self, worker_id: str) -> WorkerSection:
+        for w in self.workers:
+            if w.id == worker_id:
+                return w
+        known = ", ".join(w.id for w in self.workers) or "none"
+        raise ConfigError(f"{self.source}: no worker with id {worker_id!r} (configured: {known})")
+
+    def to_toml(self) -> str:
+        """Serialize back to TOML (the launcher hands children one effective file)."""
+        lines: list[str] = []
+        for f in dataclasses.fields(self):
+            if f.name in ("workers", "source"):
+                continue
+            lines.append(f"[{f.name}]")
+            lines.extend(_toml_items(getattr(self, f.name)))
+            lines.append("")
+        for w in self.workers:
+            lines.append("[[workers]]")
+            lines.extend(_toml_items(w))
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_items(section: Any) -> list[str]:
+    out = []
+    for f in dataclasses.fields(section):
+        v = getattr(section, f.name)
+        if isinstance(v, bool):
+            out.append(f"{f.name} = {'true' if v else 'false'}")
+        elif isinstance(v, (int, float)):
+            out.append(f"{f.name} = {v!r}")
+        else:
+            out.append(f"{f.name} = {_toml_str(str(v))}")
+    return out
+
+
+def _toml_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _coerce(where: str, value: Any, target: Any) -> Any:
+    """Convert value to the type of the default `target`, or raise ConfigError naming `where`."""
+    kind = type(target)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if kind is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if kind is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if kind is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{where}: unsupported value {value!r}")
+
+
+def _apply(where: str, section: Any, values: Mapping[str, Any]) -> None:
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where}: expected a table, got {values!r}")
+    names = {f.name for f in dataclasses.fields(section)}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"{where}.{key}: unknown key (known: {', '.join(sorted(names))})")
+        setattr(section, key, _coerce(f"{where}.{key}", value, getattr(section, key)))
+
+
+def default_workers(n: int, base_port: int = 50061) -> list[WorkerSection]:
+    return [WorkerSection(id=f"worker-{i}", port=base_port + i) for i in range(n)]
+
+
+def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> ClusterConfig:
+    cfg = ClusterConfig(source=source)
+    section_names = {f.name for f in dataclasses.fields(cfg)} - {"source"}
+    for key, value in data.items():
+        if key not in section_names:
+            raise ConfigError(f"{source}: unknown section [{key}] (known: {', '.join(sorted(section_names))})")
+        if key == "workers":
+            if not isinstance(value, list):
+                raise ConfigError(f"{source}: workers must be an array of tables ([[workers]])")
+            cfg.workers = []
+            for i, w in enumerate(value):
+                ws = WorkerSection()
+                _apply(f"{source}: workers[{i}]", ws, w)
+                cfg.workers.append(ws)
+        else:
+            _apply(f"{source}: {key}", getattr(cfg, key), value)
+    if not data.get("workers"):
+        cfg.workers = default_workers(2)
+    return cfg
+
+
+def apply_env_overrides(cfg: ClusterConfig, environ: Mapping[str, str] | None = None) -> None:
+    """`KUNSERVE__SECTION__KEY=value`; workers by index: `KUNSERVE__WORKERS__0__HOST=worker-0`."""
+    environ = os.environ if environ is None else environ
+    for name, value in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        parts = name[len(ENV_PREFIX):].lower().split("__")
+        where = f"environment {name}"
+        if parts[0] == "workers":
+            if len(parts) != 3 or not parts[1].isdigit():
+                raise ConfigError(f"{where}: expected KUNSERVE__WORKERS__<index>__<key>")
+            idx = int(parts[1])
+            if idx >= len(cfg.workers):
+                raise ConfigError(f"{where}: worker index {idx} out of range ({len(cfg.workers)} workers)")
+            _apply(where, cfg.workers[idx], {parts[2]: value})
+        elif len(parts) == 2 and hasattr(cfg, parts[0]) and parts[0] != "source":
+            _apply(where, getattr(cfg, parts[0]), {parts[1]: value})
+        else:
+            raise ConfigError(f"{where}: expected KUNSERVE__<section>__<key>")
+
+
+def validate(cfg: ClusterConfig) -> None:
+    src = cfg.source
+    if not cfg.workers:
+        raise ConfigError(f"{src}: at least one [[workers]] entry is required")
+    seen: set[str] = set()
+    for i, w in enumerate(cfg.workers):
+        if not w.id:
+            w.id = f"worker-{i}"
+        if w.id in seen:
+            raise ConfigError(f"{src}: workers[{i}].id {w.id!r} is used twice")
+        seen.add(w.id)
+    for name, svc in [("dispatcher", cfg.dispatcher), ("memory_manager", cfg.memory_manager),
+                      ("monitor", cfg.monitor)] + [(f"workers[{i}]", w) for i, w in enumerate(cfg.workers)]:
+        if not (0 <= svc.port < 65536):
+            raise ConfigError(f"{src}: {name}.port must be in [0, 65535], got {svc.port}")
+    e = cfg.engine
+    for key in ("block_size", "pool_mib", "max_num_batched_tokens", "max_num_seqs"):
+        if getattr(e, key) <= 0:
+            raise ConfigError(f"{src}: engine.{key} must be > 0, got {getattr(e, key)}")
+    if e.threads < 0:
+        raise ConfigError(f"{src}: engine.threads must be >= 0, got {e.threads}")
+    if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"{src}: model.dtype must be float32, bfloat16 or float16, got {cfg.model.dtype!r}")
+    if cfg.model.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"{src}: model.device must be auto, cpu or cuda, got {cfg.model.device!r}")
+    if cfg.monitor.stats_interval_s <= 0:
+        raise ConfigError(f"{src}: monitor.stats_interval_s must be > 0")
+    if cfg.logging.format not in ("auto", "json", "console"):
+        raise ConfigError(f"{src}: logging.format must be auto, json or console, got {cfg.logging.format!r}")
+
+
+def load_config(path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None) -> ClusterConfig:
+    """Load the cluster config: `path`, else $KUNSERVE_CONFIG, else built-in defaults; then env overrides."""
+    environ = os.environ if environ is None else environ
+    path = path or environ.get(CONFIG_ENV) or None
+    if path is None:
+        cfg = config_from_dict({}, source="<defaults>")
+    else:
+        p = pathlib.Path(path)
+        try:
+            raw = p.read_bytes()
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {p}: {exc.strerror}") from None
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {p}: not valid TOML: {exc}") from None
+        cfg = config_from_dict(data, source=str(p))
+    apply_env_overrides(cfg, environ)
+    validate(cfg)
+    return cfg

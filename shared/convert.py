@@ -1,0 +1,59 @@
+"""Conversions between protobuf messages and the engine's plain data types (one place, both ways)."""
+
+from __future__ import annotations
+
+from kunserve.shared.engine.api import EngineStats, FinishReason, SamplingParams
+from kunserve.v1 import common_pb2
+
+DEFAULT_MAX_TOKENS = 16
+
+_FINISH_TO_PB = {
+    FinishReason.NONE: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
+    FinishReason.ABORTED: common_pb2.FINISH_REASON_ABORTED,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+FINISH_NAMES = {v: k.value for k, v in _FINISH_TO_PB.items()}
+
+
+def finish_to_pb(reason: FinishReason) -> int:
+    return _FINISH_TO_PB[reason]
+
+
+def finish_from_pb(value: int) -> FinishReason:
+    return _FINISH_FROM_PB.get(value, FinishReason.NONE)
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Proto3 zeros mean "default" for max_tokens and top_p; everything else is taken as sent and
+    validated by SamplingParams.validate (so max_tokens < 0 is rejected, not defaulted)."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens if msg.max_tokens != 0 else DEFAULT_MAX_TOKENS,
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.top_p != 0 else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def stats_to_pb(s: EngineStats, **extra: object) -> common_pb2.WorkerStats:
+    return common_pb2.WorkerStats(
+        kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used, block_size=s.block_size,
+        num_running=s.num_running, num_waiting=s.num_waiting, queued_demand_blocks=s.queued_demand_blocks,
+        num_preemptions=s.num_preemptions, prompt_tokens_total=s.prompt_tokens_total,
+        generated_tokens_total=s.generated_tokens_total, **extra,
+    )

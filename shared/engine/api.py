@@ -1,0 +1,113 @@
+"""Plain data types shared by the engine, the worker service and the tests.
+
+They carry no torch state so the gRPC layer, the scheduler policies and the simulator can use
+them without importing the model. Validation lives here too, so every entry point (gRPC, CLI,
+direct library use) rejects bad input with the same message naming the field.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class InvalidRequest(ValueError):
+    """A request field is out of range. `field` names it so RPCs can answer INVALID_ARGUMENT precisely."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. temperature == 0 means greedy (argmax)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0  # 1.0 = disabled
+    seed: int | None = None  # per-request generator seed for reproducible sampling
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # benchmarks replay exact output lengths
+
+    def validate(self, vocab_size: int) -> None:
+        if self.max_tokens <= 0:
+            raise InvalidRequest("max_tokens", f"must be > 0, got {self.max_tokens}")
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise InvalidRequest("temperature", f"must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequest("top_k", f"must be >= 0 (0 disables), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
+        for t in self.stop_token_ids:
+            if not (0 <= t < vocab_size):
+                raise InvalidRequest("stop_token_ids", f"token id {t} outside vocabulary [0, {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class EngineRequest:
+    """One generation request as the engine sees it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0  # time.monotonic() when received; used for FCFS order
+
+    def validate(self, vocab_size: int, max_model_len: int) -> None:
+        if not self.request_id:
+            raise InvalidRequest("request_id", "must not be empty")
+        if not self.prompt_token_ids:
+            raise InvalidRequest("prompt", "must not be empty")
+        for t in self.prompt_token_ids:
+            if not (0 <= t < vocab_size):
+                raise InvalidRequest("prompt_token_ids", f"token id {t} outside vocabulary [0, {vocab_size})")
+        self.sampling.validate(vocab_size)
+        total = len(self.prompt_token_ids) + self.sampling.max_tokens
+        if total > max_model_len:
+            raise InvalidRequest(
+                "max_tokens",
+                f"prompt ({len(self.prompt_token_ids)} tokens) + max_tokens ({self.sampling.max_tokens}) "
+                f"= {total} exceeds the model context of {max_model_len}",
+            )
+
+
+class FinishReason(enum.Enum):
+    NONE = "none"  # not finished
+    LENGTH = "length"  # reached max_tokens
+    STOP = "stop"  # a stop token id
+    EOS = "eos"  # the model's end-of-sequence token
+    ABORTED = "aborted"  # cancelled by the client or the system
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token (or a terminal event with token_id == -1 for aborts)."""
+
+    request_id: str
+    token_id: int
+    index: int  # 0-based position among generated tokens
+    finish_reason: FinishReason = FinishReason.NONE
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not FinishReason.NONE
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for the monitor and the router (Llumnix-style freeness needs the queued demand)."""
+
+    kv_blocks_total: int
+    kv_blocks_used: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    queued_demand_blocks: int  # blocks the waiting requests' prompts will need
+    num_preemptions: int
+    prompt_tokens_total: int  # cumulative counters; rates are derived by the receiver
+    generated_tokens_total: int
