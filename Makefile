@@ -1,0 +1,39 @@
+# KunServe developer entry points. `make demo` and `make test` are the two README commands:
+# each creates the virtual environment and installs the project first when needed.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kunserve-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo up test test-fast protos bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "KunServe needs Python >= 3.11")'
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+## Start the local cluster (embedded tiny model, 2 workers), stream one generation, serve until Ctrl-C.
+demo: $(STAMP)
+	$(BIN)/kunserve up --demo
+
+up: $(STAMP)
+	$(BIN)/kunserve up
+
+## The whole test suite (what CI runs).
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
+
+bench: $(STAMP)
+	$(BIN)/python bench/engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

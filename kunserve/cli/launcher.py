@@ -1,0 +1,188 @@
+"""The local launcher: every service as a child process on 127.0.0.1, from one cluster config.
+
+`LocalCluster` is also what the integration tests use, so the README's `kunserve up` and the tests
+exercise exactly the same process layout. Children get SIGTERM when the launcher dies (PDEATHSIG),
+so no test or Ctrl-C leaves a stray process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import dataclasses
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from kunserve.shared.config import ClusterConfig, WorkerSection
+from kunserve.shared.rpc import health_check
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assign_free_ports(cfg: ClusterConfig) -> None:
+    """Give every service an unused loopback port (tests and side-by-side clusters)."""
+    for svc in [cfg.dispatcher, cfg.memory_manager, cfg.monitor, *cfg.workers]:
+        svc.port = free_port()
+        svc.host = "127.0.0.1"
+
+
+@dataclass
+class Child:
+    name: str
+    address: str
+    argv: list[str]
+    log_path: pathlib.Path
+    proc: subprocess.Popen | None = None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class ClusterStartError(RuntimeError):
+    pass
+
+
+class LocalCluster:
+    """Start, health-check and stop a whole cluster of service processes."""
+
+    def __init__(self, cfg: ClusterConfig, run_dir: str | os.PathLike[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.cfg = cfg
+        self._tmp = None if run_dir else tempfile.TemporaryDirectory(prefix="kunserve-")
+        self.run_dir = pathlib.Path(run_dir or self._tmp.name)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path = self.run_dir / "cluster.toml"
+        self.env = {**os.environ, **(env or {})}
+        self.children: list[Child] = []
+
+    # -- layout -------------------------------------------------------------------------------------
+    def _plan(self) -> list[Child]:
+        py = sys.executable
+        cfg_arg = ["--config", str(self.config_path)]
+        logs = self.run_dir
+        out = [
+            Child("monitor", self.cfg.monitor.address, [py, "-m", "kunserve.services.monitor", *cfg_arg], logs / "monitor.log"),
+        ]
+        for w in self.cfg.workers:
+            out.append(Child(w.id, w.address, [py, "-m", "kunserve.services.worker", *cfg_arg, "--worker-id", w.id],
+                             logs / f"{w.id}.log"))
+        out.append(Child("memory-manager", self.cfg.memory_manager.address,
+                         [py, "-m", "kunserve.services.memory_manager", *cfg_arg], logs / "memory-manager.log"))
+        out.append(Child("dispatcher", self.cfg.dispatcher.address,
+                         [py, "-m", "kunserve.services.dispatcher", *cfg_arg], logs / "dispatcher.log"))
+        return out
+
+    def child(self, name: str) -> Child:
+        for c in self.children:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def start(self, timeout_s: float = 120.0, progress=None) -> None:
+        self.config_path.write_text(self.cfg.to_toml())
+        env = dict(self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.pop("KUNSERVE_CONFIG", None)  # the written file is the one truth for the children
+        for c in self._plan():
+            fh = open(c.log_path, "ab")
+            c.proc = subprocess.Popen(c.argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=env, preexec_fn=_die_with_parent)
+            fh.close()
+            self.children.append(c)
+        try:
+            asyncio.run(self._wait_healthy(timeout_s, progress))
+        except BaseException:
+            self.stop()
+            raise
+
+    async def _wait_healthy(self, timeout_s: float, progress) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = {c.name: c for c in self.children}
+        while pending:
+            for c in list(pending.values()):
+                code = c.proc.poll()
+                if code is not None:
+                    raise ClusterStartError(f"{c.name} exited with code {code} while starting; "
+                                            f"last lines of {c.log_path}:\n{c.log_tail()}")
+            results = await asyncio.gather(*(health_check(c.address, timeout=0.5) for c in pending.values()))
+            for c, ok in zip(list(pending.values()), results):
+                if ok:
+                    del pending[c.name]
+                    if progress is not None:
+                        progress(c)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise ClusterStartError(f"not healthy after {timeout_s:.0f}s: {', '.join(pending)} "
+                                        f"(logs in {self.run_dir})")
+            await asyncio.sleep(0.2)
+
+    def dead_children(self) -> list[Child]:
+        return [c for c in self.children if c.proc is not None and c.proc.poll() is not None]
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Fault injection for tests: signal one service process."""
+        c = self.child(name)
+        if c.proc is not None and c.proc.poll() is None:
+            c.proc.send_signal(sig)
+            c.proc.wait(timeout=30)
+
+    def stop(self, grace_s: float = 10.0) -> dict[str, int | None]:
+        """SIGTERM everything (dispatcher first so clients get a clear status), then SIGKILL stragglers."""
+        for c in reversed(self.children):
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        codes: dict[str, int | None] = {}
+        for c in self.children:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait(timeout=10)
+            codes[c.name] = c.proc.returncode
+        self.children = []
+        return codes
+
+    def cleanup(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def with_workers(cfg: ClusterConfig, n: int) -> None:
+    """Replace the configured workers with n identical ones on consecutive ports."""
+    template = cfg.workers[0] if cfg.workers else WorkerSection(port=50061)
+    base_port = template.port or 50061
+    cfg.workers = [dataclasses.replace(template, id=f"worker-{i}", port=base_port + i) for i in range(n)]

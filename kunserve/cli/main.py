@@ -1,0 +1,190 @@
+"""`kunserve`: start a local cluster (`up`) and talk to it (`generate`).
+
+Errors are one line on stderr with a non-zero exit code: no tracebacks for a user's mistake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import threading
+
+import grpc
+
+from kunserve import client
+from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_ports, with_workers
+from kunserve.shared.config import ClusterConfig, ConfigError, load_config
+
+DEMO_PROMPT = "KunServe keeps tail latency flat when"
+
+
+def _load(args: argparse.Namespace) -> ClusterConfig:
+    try:
+        return load_config(args.config)
+    except ConfigError as exc:
+        raise SystemExit(f"kunserve: config error: {exc}") from None
+
+
+def _fail(msg: str) -> None:
+    print(f"kunserve: {msg}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+# -- up ---------------------------------------------------------------------------------------------------
+def cmd_up(args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(stderr=False, highlight=False)
+    cfg = _load(args)
+    if args.model is not None:
+        cfg.model.path = args.model
+    if args.workers is not None:
+        if args.workers < 1:
+            _fail("--workers must be >= 1")
+        with_workers(cfg, args.workers)
+    if args.free_ports:
+        assign_free_ports(cfg)
+    cluster = LocalCluster(cfg, run_dir=args.run_dir)
+    model = cfg.model.path or "embedded tiny model (seeded random weights)"
+    console.print(f"[bold]Starting KunServe[/]: {len(cfg.workers)} workers, model: {model}")
+    console.print(f"logs: {cluster.run_dir}")
+    try:
+        cluster.start(timeout_s=args.timeout,
+                      progress=lambda c: console.print(f"  [green]healthy[/] {c.name:<16} {c.address}"))
+    except ClusterStartError as exc:
+        _fail(f"cluster failed to start: {exc}")
+    table = Table(title="KunServe local cluster", show_lines=False)
+    table.add_column("service")
+    table.add_column("address")
+    table.add_column("log")
+    for c in cluster.children:
+        table.add_row(c.name, c.address, str(c.log_path))
+    console.print(table)
+    console.print(f"Generate: [bold]kunserve generate --address {cfg.dispatcher.address} \"Hello\"[/]   "
+                  f"Status: [bold]kunctl --address {cfg.memory_manager.address} status[/]")
+    if args.demo:
+        console.print(f"\n[bold]Demo[/]: streaming {args.demo_tokens} tokens for the prompt {DEMO_PROMPT!r}")
+        code = _generate_to_terminal(cfg.dispatcher.address, client.make_request(
+            DEMO_PROMPT, max_tokens=args.demo_tokens, ignore_eos=True), as_json=False, timeout=120)
+        if code:
+            cluster.stop()
+            raise SystemExit(code)
+    if args.exit_after_demo:
+        cluster.stop()
+        return
+    console.print("\nServing. Press Ctrl-C to stop.")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    reported: set[str] = set()
+    while not stop.wait(0.5):
+        for c in cluster.dead_children():
+            if c.name not in reported:
+                reported.add(c.name)
+                console.print(f"[red]{c.name} exited with code {c.proc.returncode}[/]; last log lines:\n{c.log_tail(10)}")
+    console.print("Stopping...")
+    codes = cluster.stop()
+    console.print("Stopped: " + ", ".join(f"{k}={v}" for k, v in codes.items()))
+
+
+# -- generate ---------------------------------------------------------------------------------------------
+def _generate_to_terminal(address: str, request, *, as_json: bool, timeout: float | None) -> int:
+    async def run() -> client.GenerationResult:
+        async with client.insecure_channel(address) as ch:
+            def show(ev) -> None:
+                if not as_json and ev.text:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+            return await client.generate(ch, request, timeout=timeout, on_event=show)
+
+    try:
+        res = asyncio.run(run())
+    except grpc.aio.AioRpcError as exc:
+        print(f"\nkunserve: generate failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nkunserve: interrupted", file=sys.stderr)
+        return 130
+    if as_json:
+        print(json.dumps(res.to_dict()))
+    else:
+        ttft = f"{res.ttft_s * 1000:.1f} ms" if res.ttft_s is not None else "n/a"
+        tpot = f"{res.mean_tpot_s * 1000:.1f} ms" if res.mean_tpot_s is not None else "n/a"
+        if not res.text:
+            print(f"token ids: {res.token_ids}", end="")
+        print(f"\n[{len(res.token_ids)} tokens from {res.worker_id}, finish: {res.finish_reason}, "
+              f"TTFT {ttft}, mean TPOT {tpot}]")
+    return 0
+
+
+def _int_list(value: str) -> list[int]:
+    try:
+        return [int(x) for x in value.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    if (args.prompt is None) == (args.token_ids is None):
+        _fail("give either a text prompt or --token-ids")
+    address = args.address or _load(args).dispatcher.address
+    prompt = args.token_ids if args.token_ids is not None else args.prompt
+    request = client.make_request(prompt, request_id=args.request_id or "", max_tokens=args.max_tokens,
+                                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                  stop_token_ids=args.stop_token_ids or (), ignore_eos=args.ignore_eos)
+    raise SystemExit(_generate_to_terminal(address, request, as_json=args.json, timeout=args.timeout))
+
+
+# -- parser -----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kunserve", description="KunServe: LLM serving that keeps tail latency flat under bursts.")
+    p.add_argument("--config", help="cluster config file (TOML); default $KUNSERVE_CONFIG or built-in defaults")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start the whole cluster as local processes and serve until Ctrl-C")
+    up.add_argument("--model", help="local Hugging Face-format model directory (default: the embedded tiny model)")
+    up.add_argument("--workers", type=int, help="number of workers (default: from the config, 2)")
+    up.add_argument("--free-ports", action="store_true", help="pick unused loopback ports instead of the configured ones")
+    up.add_argument("--run-dir", help="directory for logs and the effective config (default: a temp dir)")
+    up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every service to be healthy")
+    up.add_argument("--demo", action="store_true", help="stream one generation once the cluster is up")
+    up.add_argument("--demo-tokens", type=int, default=48, help="tokens to generate in the demo")
+    up.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo (scripts, CI)")
+    up.set_defaults(func=cmd_up)
+
+    g = sub.add_parser("generate", help="send one prompt to the dispatcher and stream the output")
+    g.add_argument("prompt", nargs="?", help="text prompt (needs a tokenizer; the embedded model has a byte-level one)")
+    g.add_argument("--token-ids", type=_int_list, help="prompt as token ids, e.g. 1,2,3")
+    g.add_argument("--address", help="dispatcher host:port (default: from the config)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = disabled")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, help="sampling seed (reproducible sampling)")
+    g.add_argument("--stop-token-ids", type=_int_list)
+    g.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
+    g.add_argument("--request-id", help="client-chosen id (for Cancel)")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+    g.add_argument("--json", action="store_true", help="print one JSON object (token ids, text, TTFT, TPOT)")
+    g.set_defaults(func=cmd_generate)
+
+    _register_extra_commands(sub)
+    return p
+
+
+def _register_extra_commands(sub) -> None:
+    """Later subcommands (bench, profile) register here without touching the core parser."""
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""A small gRPC client for the dispatcher: what `kunserve generate`, the benchmarks and tests use."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+import grpc
+
+from kunserve.shared.convert import FINISH_NAMES
+from kunserve.shared.rpc import insecure_channel
+from kunserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+
+@dataclass
+class GenerationResult:
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    worker_id: str = ""
+    num_prompt_tokens: int = 0
+    ttft_s: float | None = None  # measured at the client
+    token_times_s: list[float] = field(default_factory=list)  # client clock, since the call started
+
+    @property
+    def mean_tpot_s(self) -> float | None:
+        t = self.token_times_s
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    def to_dict(self) -> dict:
+        return {"request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
+                "finish_reason": self.finish_reason, "worker_id": self.worker_id,
+                "num_prompt_tokens": self.num_prompt_tokens, "ttft_s": self.ttft_s, "mean_tpot_s": self.mean_tpot_s}
+
+
+def make_request(prompt: str | Sequence[int], *, request_id: str = "", max_tokens: int = 16, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_token_ids: Sequence[int] = (),
+                 ignore_eos: bool = False) -> generation_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                         stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    if seed is not None:
+        sampling.seed = seed
+    req = generation_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(int(t) for t in prompt)
+    return req
+
+
+async def stream(channel: grpc.aio.Channel, request: generation_pb2.GenerateRequest,
+                 timeout: float | None = None) -> AsyncIterator[generation_pb2.GenerateEvent]:
+    async for ev in generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout):
+        yield ev
+
+
+async def generate(channel: grpc.aio.Channel, request: generation_pb2.GenerateRequest, timeout: float | None = None,
+                   on_event=None) -> GenerationResult:
+    """Run one request to completion; raises grpc.aio.AioRpcError on failure."""
+    res = GenerationResult(request_id=request.request_id)
+    start = time.monotonic()
+    async for ev in stream(channel, request, timeout):
+        now = time.monotonic() - start
+        res.request_id = ev.request_id
+        res.worker_id = ev.worker_id
+        res.num_prompt_tokens = ev.num_prompt_tokens
+        if ev.token_id >= 0:
+            res.token_ids.append(ev.token_id)
+            res.text += ev.text
+            res.token_times_s.append(now)
+            if res.ttft_s is None:
+                res.ttft_s = now
+        if ev.finish_reason:
+            res.finish_reason = FINISH_NAMES.get(ev.finish_reason, str(ev.finish_reason))
+        if on_event is not None:
+            on_event(ev)
+    return res
+
+
+async def cancel(channel: grpc.aio.Channel, request_id: str) -> bool:
+    resp = await generation_pb2_grpc.GenerationStub(channel).Cancel(common_pb2.CancelRequest(request_id=request_id))
+    return resp.cancelled
+
+
+__all__ = ["GenerationResult", "make_request", "stream", "generate", "cancel", "insecure_channel"]

@@ -1,0 +1,51 @@
+"""`kunserve-dispatcher`: the client-facing process (Generate / Cancel)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from kunserve.services.common import load_service_config, service_arg_parser
+from kunserve.services.dispatcher.servicer import DispatcherServicer, WorkerPool
+from kunserve.shared import rpc
+from kunserve.shared.model.tokenizer import load_tokenizer
+from kunserve.v1 import generation_pb2_grpc
+
+ROUTER_POLL_INTERVAL_S = 0.1
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = service_arg_parser("kunserve-dispatcher", "Client API: routes requests to workers and streams tokens.")
+    args = parser.parse_args(argv)
+    cfg, log = load_service_config(args, "dispatcher", section="dispatcher")
+    try:
+        tokenizer = load_tokenizer(cfg.model.path or None)
+    except (OSError, ValueError) as exc:
+        print(f"dispatcher: cannot load the tokenizer of {cfg.model.path!r}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+    async def amain() -> None:
+        pool = WorkerPool(cfg)
+        servicer = DispatcherServicer(pool, tokenizer)
+        tasks: list[asyncio.Task] = []
+
+        def register(server) -> None:
+            generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+
+        async def started() -> None:
+            tasks.append(asyncio.create_task(pool.poll_forever(ROUTER_POLL_INTERVAL_S)))
+
+        async def stopping() -> None:
+            await servicer.shutdown()
+            for t in tasks:
+                t.cancel()
+
+        await rpc.run_service("kunserve.v1.Generation", cfg.dispatcher.bind_address, register,
+                              on_started=started, on_shutdown=stopping)
+        await pool.close()
+
+    rpc.run(amain)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""`kunserve-memory-manager`: the global memory manager, which also serves the admin port."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kunserve.services.common import load_service_config, service_arg_parser
+from kunserve.services.memory_manager.servicer import AdminServicer, MemoryManager, MemoryManagerServicer
+from kunserve.shared import rpc
+from kunserve.v1 import admin_pb2_grpc, memory_manager_pb2_grpc
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = service_arg_parser("kunserve-memory-manager", "Cluster parameter layout and the admin API.")
+    args = parser.parse_args(argv)
+    cfg, log = load_service_config(args, "memory-manager", section="memory_manager")
+
+    async def amain() -> None:
+        mm = MemoryManager(cfg)
+        tasks: list[asyncio.Task] = []
+
+        def register(server) -> None:
+            memory_manager_pb2_grpc.add_MemoryManagerServicer_to_server(MemoryManagerServicer(mm), server)
+            admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(mm), server)
+
+        async def started() -> None:
+            tasks.append(asyncio.create_task(mm.refresh_forever()))
+
+        async def stopping() -> None:
+            for t in tasks:
+                t.cancel()
+            await mm.close()
+
+        await rpc.run_service("kunserve.v1.MemoryManager", cfg.memory_manager.bind_address, register,
+                              on_started=started, on_shutdown=stopping)
+
+    rpc.run(amain)
+
+
+if __name__ == "__main__":
+    main()

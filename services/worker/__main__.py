@@ -1,0 +1,58 @@
+"""`kunserve-worker --worker-id ID`: one worker process (one per GPU; on CPU one per process)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+from kunserve.services.common import load_service_config, service_arg_parser
+from kunserve.services.worker.build import WorkerBuildError, build_worker
+from kunserve.services.worker.reporter import report_stats_forever
+from kunserve.services.worker.servicer import WorkerServicer
+from kunserve.shared import rpc
+from kunserve.v1 import worker_pb2_grpc
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = service_arg_parser("kunserve-worker", "A worker: holds a layer range of the model and runs the engine.")
+    parser.add_argument("--worker-id", default=os.environ.get("KUNSERVE_WORKER_ID"),
+                        help="which [[workers]] entry of the config this process is (or $KUNSERVE_WORKER_ID)")
+    args = parser.parse_args(argv)
+    if not args.worker_id:
+        parser.error("--worker-id is required (or set KUNSERVE_WORKER_ID)")
+    cfg, log = load_service_config(args, "worker", worker_id=args.worker_id)
+    try:
+        engine_loop, identity = build_worker(cfg, args.worker_id)
+    except WorkerBuildError as exc:
+        print(f"worker {args.worker_id}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    log.info("model_loaded", model=identity.model_name, layers=[identity.layer_start, identity.layer_end],
+             kv_blocks=engine_loop.stats().kv_blocks_total, device=identity.device)
+
+    async def amain() -> None:
+        servicer = WorkerServicer(identity, engine_loop)
+        tasks: list[asyncio.Task] = []
+
+        def register(server) -> None:
+            worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+
+        async def started() -> None:
+            engine_loop.start()
+            tasks.append(asyncio.create_task(report_stats_forever(
+                cfg.monitor.address, cfg.monitor.stats_interval_s, servicer.current_stats)))
+
+        async def stopping() -> None:
+            for t in tasks:
+                t.cancel()
+            await servicer.shutdown()
+
+        wsec = cfg.worker(args.worker_id)
+        await rpc.run_service("kunserve.v1.Worker", wsec.bind_address, register, on_started=started,
+                              on_shutdown=stopping)
+
+    rpc.run(amain)
+
+
+if __name__ == "__main__":
+    main()

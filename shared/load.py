@@ -1,0 +1,68 @@
+"""Cluster load bookkeeping from worker stats: pure policy, no I/O (the monitor and tests share it).
+
+Overload follows Llumnix/KunServe: an instance is overloaded when the KV blocks in use plus the
+demand of its head-of-line queued requests exceed its capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kunserve.v1 import common_pb2, monitor_pb2
+
+
+@dataclass
+class _WorkerTrack:
+    stats: common_pb2.WorkerStats
+    received_at: float  # receiver clock (monotonic seconds)
+    prompt_rate: float = 0.0
+    generated_rate: float = 0.0
+
+
+@dataclass
+class ClusterLoad:
+    stale_after_s: float = 3.0
+    rate_smoothing: float = 0.5  # EWMA weight of the newest sample
+    _workers: dict[str, _WorkerTrack] = field(default_factory=dict)
+
+    def observe(self, stats: common_pb2.WorkerStats, now: float) -> None:
+        prev = self._workers.get(stats.worker_id)
+        track = _WorkerTrack(stats=stats, received_at=now)
+        if prev is not None:
+            dt = stats.timestamp_unix_s - prev.stats.timestamp_unix_s
+            if dt > 0:
+                a = self.rate_smoothing
+                p = max(0, stats.prompt_tokens_total - prev.stats.prompt_tokens_total) / dt
+                g = max(0, stats.generated_tokens_total - prev.stats.generated_tokens_total) / dt
+                track.prompt_rate = a * p + (1 - a) * prev.prompt_rate
+                track.generated_rate = a * g + (1 - a) * prev.generated_rate
+            else:
+                track.prompt_rate, track.generated_rate = prev.prompt_rate, prev.generated_rate
+        self._workers[stats.worker_id] = track
+
+    def forget(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    @staticmethod
+    def is_overloaded(s: common_pb2.WorkerStats) -> bool:
+        return s.kv_blocks_used + s.queued_demand_blocks > s.kv_blocks_total
+
+    def status(self, now: float, wall_now: float) -> monitor_pb2.ClusterStatus:
+        out = monitor_pb2.ClusterStatus(timestamp_unix_s=wall_now)
+        for wid in sorted(self._workers):
+            t = self._workers[wid]
+            s = t.stats
+            age = max(0.0, now - t.received_at)
+            healthy = age <= self.stale_after_s
+            out.workers.append(monitor_pb2.WorkerStatus(
+                stats=s, healthy=healthy, last_report_age_s=age,
+                kv_usage=(s.kv_blocks_used / s.kv_blocks_total) if s.kv_blocks_total else 0.0,
+                prompt_tokens_per_s=t.prompt_rate if healthy else 0.0,
+                generated_tokens_per_s=t.generated_rate if healthy else 0.0,
+            ))
+            if healthy:
+                out.kv_blocks_total += s.kv_blocks_total
+                out.kv_blocks_used += s.kv_blocks_used
+                out.queued_demand_blocks += s.queued_demand_blocks
+                out.overloaded = out.overloaded or self.is_overloaded(s)
+        return out
