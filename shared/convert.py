@@ -27,13 +27,13 @@ def finish_from_pb(value: int) -> FinishReason:
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Proto3 zeros mean "default" for max_tokens and top_p; everything else is taken as sent and
-    validated by SamplingParams.validate (so max_tokens < 0 is rejected, not defaulted)."""
+    """Unset max_tokens / top_p take their defaults; every value that is set is taken as sent and
+    validated by SamplingParams.validate (so an explicit max_tokens of 0 is rejected, not defaulted)."""
     return SamplingParams(
-        max_tokens=msg.max_tokens if msg.max_tokens != 0 else DEFAULT_MAX_TOKENS,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         temperature=msg.temperature,
         top_k=msg.top_k,
-        top_p=msg.top_p if msg.top_p != 0 else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         seed=msg.seed if msg.HasField("seed") else None,
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,

@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kunserve/v1/common.proto\x12\x0bkunserve.v1\"\x07\n\x05\x45mpty\"\x9f\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\xf0\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x03\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\x05\x12\x1c\n\x14queued_demand_blocks\x18\x08 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x03\x12\x1b\n\x13prompt_tokens_total\x18\n \x01(\x03\x12\x1e\n\x16generated_tokens_total\x18\x0b \x01(\x03\x12\x18\n\x10timestamp_unix_s\x18\x0c \x01(\x01\x12\x13\n\x0blayer_start\x18\r \x01(\x05\x12\x11\n\tlayer_end\x18\x0e \x01(\x05\x12\x18\n\x10num_layers_model\x18\x0f \x01(\x05*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kunserve/v1/common.proto\x12\x0bkunserve.v1\"\x07\n\x05\x45mpty\"\xc2\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\xf0\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x03\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\x05\x12\x1c\n\x14queued_demand_blocks\x18\x08 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x03\x12\x1b\n\x13prompt_tokens_total\x18\n \x01(\x03\x12\x1e\n\x16generated_tokens_total\x18\x0b \x01(\x03\x12\x18\n\x10timestamp_unix_s\x18\x0c \x01(\x01\x12\x13\n\x0blayer_start\x18\r \x01(\x05\x12\x11\n\tlayer_end\x18\x0e \x01(\x05\x12\x18\n\x10num_layers_model\x18\x0f \x01(\x05*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kunserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=658
-  _globals['_FINISHREASON']._serialized_end=803
+  _globals['_FINISHREASON']._serialized_start=693
+  _globals['_FINISHREASON']._serialized_end=838
   _globals['_EMPTY']._serialized_start=41
   _globals['_EMPTY']._serialized_end=48
   _globals['_SAMPLINGPARAMS']._serialized_start=51
-  _globals['_SAMPLINGPARAMS']._serialized_end=210
-  _globals['_CANCELREQUEST']._serialized_start=212
-  _globals['_CANCELREQUEST']._serialized_end=247
-  _globals['_CANCELRESPONSE']._serialized_start=249
-  _globals['_CANCELRESPONSE']._serialized_end=284
-  _globals['_WORKERSTATS']._serialized_start=287
-  _globals['_WORKERSTATS']._serialized_end=655
+  _globals['_SAMPLINGPARAMS']._serialized_end=245
+  _globals['_CANCELREQUEST']._serialized_start=247
+  _globals['_CANCELREQUEST']._serialized_end=282
+  _globals['_CANCELRESPONSE']._serialized_start=284
+  _globals['_CANCELRESPONSE']._serialized_end=319
+  _globals['_WORKERSTATS']._serialized_start=322
+  _globals['_WORKERSTATS']._serialized_end=690
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,58 @@
+"""Helpers shared by the tests: cluster configs, bounded async runs, reference tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+from kunserve import client
+from kunserve.cli.launcher import assign_free_ports, with_workers
+from kunserve.shared.config import load_config
+
+TEST_POOL_MIB = 48
+
+
+def make_config(num_workers: int = 2, **engine):
+    cfg = load_config(None, environ={})
+    with_workers(cfg, num_workers)
+    assign_free_ports(cfg)
+    cfg.engine.pool_mib = engine.pop("pool_mib", TEST_POOL_MIB)
+    cfg.engine.threads = 1
+    cfg.monitor.stats_interval_s = 0.1
+    cfg.logging.format = "json"
+    for k, v in engine.items():
+        setattr(cfg.engine, k, v)
+    return cfg
+
+
+def run(coro, timeout: float = 120.0):
+    """Run a coroutine with a hard bound so a hung RPC fails the test instead of hanging CI."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def generate_many(address: str, requests, timeout: float = 120.0):
+    async with client.insecure_channel(address) as ch:
+        return await asyncio.gather(*(client.generate(ch, r, timeout=timeout) for r in requests),
+                                    return_exceptions=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _embedded_model():
+    from kunserve.shared.model.config import TINY_CONFIG
+    from kunserve.shared.model.weights import random_weights
+
+    return TINY_CONFIG, random_weights(TINY_CONFIG, seed=0)
+
+
+@functools.lru_cache(maxsize=256)
+def _reference(prompt: tuple[int, ...], max_tokens: int):
+    from kunserve.shared.model.reference import reference_greedy
+
+    cfg, weights = _embedded_model()
+    tokens, margins = reference_greedy(cfg, weights, list(prompt), max_tokens)
+    return list(tokens), list(margins)
+
+
+def reference_for(prompt, max_tokens: int):
+    """Greedy tokens and top-2 margins of the embedded default model (what `kunserve up` serves)."""
+    return _reference(tuple(prompt), max_tokens)

@@ -1,0 +1,97 @@
+"""Faults with real processes: a worker killed mid-stream, services stopped with streams in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from helpers import generate_many, reference_for, run
+from kunserve import client
+from oracle import compare_greedy
+
+pytestmark = pytest.mark.integration
+
+
+async def _start_long_stream(ch, rid: str, n_first: int = 2):
+    got: list = []
+    task = asyncio.create_task(client.generate(
+        ch, client.make_request([7, 8, 9], request_id=rid, max_tokens=1500, ignore_eos=True), timeout=120,
+        on_event=got.append))
+    while len(got) < n_first:
+        if task.done():
+            await task
+        await asyncio.sleep(0.01)
+    return task, got
+
+
+def test_worker_killed_mid_stream(fresh_cluster):
+    c = fresh_cluster(2)
+
+    async def scenario():
+        async with client.insecure_channel(c.cfg.dispatcher.address) as ch:
+            task, got = await _start_long_stream(ch, "victim")
+            victim = got[0].worker_id
+            await asyncio.to_thread(c.kill, victim, signal.SIGKILL)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await task
+            return victim, e.value
+
+    victim, err = run(scenario())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert victim in err.details()
+    # The dispatcher keeps serving; new requests go to the healthy worker and are still correct.
+    prompts = [[11, 12, 13 + i] for i in range(6)]
+    results = run(generate_many(c.cfg.dispatcher.address,
+                                [client.make_request(p, max_tokens=5, ignore_eos=True) for p in prompts]))
+    for p, res in zip(prompts, results):
+        assert not isinstance(res, BaseException), res
+        assert res.worker_id != victim
+        ref, margins = reference_for(p, 5)
+        compare_greedy(res.token_ids, ref, margins)
+    assert c.child("dispatcher").proc.poll() is None
+
+
+@pytest.mark.parametrize("service", ["dispatcher", "worker"])
+def test_sigterm_ends_in_flight_streams_with_unavailable(fresh_cluster, service):
+    c = fresh_cluster(1)
+
+    async def scenario():
+        async with client.insecure_channel(c.cfg.dispatcher.address) as ch:
+            task, got = await _start_long_stream(ch, "in-flight")
+            name = "dispatcher" if service == "dispatcher" else got[0].worker_id
+            c.child(name).proc.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await task
+            return name, e.value
+
+    name, err = run(scenario())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+    assert "shutting down" in err.details()
+    assert c.child(name).proc.wait(timeout=30) == 0  # a clean exit, not a crash
+
+
+def test_malformed_config_is_a_one_line_cli_error(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[engine]\nblock_size = 'big'\n")
+    for argv in (["-m", "kunserve.cli.main", "--config", str(bad), "up"],
+                 ["-m", "kunserve.services.worker", "--config", str(bad), "--worker-id", "worker-0"],
+                 ["-m", "kunserve.cli.kunctl", "--config", str(bad), "status"]):
+        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0
+        assert "engine.block_size: expected an integer" in out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_unreachable_cluster_is_a_one_line_cli_error():
+    from kunserve.cli.launcher import free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    for argv in (["-m", "kunserve.cli.main", "generate", "--address", addr, "--timeout", "3", "hi"],
+                 ["-m", "kunserve.cli.kunctl", "--address", addr, "--timeout", "3", "status"]):
+        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "UNAVAILABLE" in out.stderr and "Traceback" not in out.stderr
