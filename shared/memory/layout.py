@@ -1,0 +1,826 @@
+"""Weights and paged KV cache of one worker's layer range, in one page pool (KunServe §4.1).
+
+A worker holds the contiguous layer range [start, end) of a model. `LayerMemoryLayout` places in
+the pool:
+
+- the weights of each held layer in a **weight arena**: the layer's tensors packed (256-byte
+  aligned) into one virtual range padded to whole pages, so dropping a layer frees whole pages
+  (Gyges pads to the page size for the same reason);
+- the non-layer weights (embeddings, final norm, lm_head) as **weight groups**, each in its own
+  arena; a group is held while the range touches the model end it belongs to (`held_with`);
+- the KV cache of each held layer as **one virtual range reserved at the size of the whole pool**,
+  with pages mapped only at its head. Kernels see one static tensor per layer,
+  `[num_blocks, 2, num_kv_heads, block_size, head_dim]` (FlashInfer HND, K then V per block).
+
+Capacity rule. Every held layer gets the same number of KV pages,
+``k = (total_pages - weight_pages) // held_layers``, and
+``num_blocks = k * page_size // block_bytes``. The remainder,
+``(total_pages - weight_pages) % held_layers`` pages, stays free as *spare pages* (their RAM is
+released on the host) and is used by the next drop. Blocks may straddle page boundaries: the
+mapped head of a KV range is virtually contiguous, so only the bytes past the last whole block
+(`k*page_size % block_bytes`) go unused. With a page size that is a multiple of the block size
+(2 MiB pages, 64 KiB blocks for Qwen2.5-14B bf16 with 16-token blocks) nothing is wasted.
+
+Drop moves no KV byte: the dropped layers' pages (weights and KV) are unmapped and mapped at the
+tails of the remaining layers' KV ranges, whose existing pages and base addresses do not change.
+Per remaining layer the KV grows by ``(freed_pages + spare_pages) // remaining_layers`` pages, i.e.
+by exactly ``freed_bytes // (block_bytes * remaining_layers)`` blocks when the page size is a
+multiple of the block size and the pages divide evenly; otherwise the per-page rounding above
+applies and the leftover pages stay spare.
+
+Restore takes pages back from the KV tails. Blocks at or beyond the smaller `num_blocks` must be
+free; when some are in use the caller compacts first (`plan_compaction` + `apply_compaction`, then
+rewrites its block tables). A block allocator that hands out low block ids first keeps the tail
+free and makes compaction rare.
+
+Contract with the engine (views): every tensor handed out (`layer_cache`, `layer_weights`,
+`group_weights`) is a view that the pool tracks. After any `drop_layers` / `restore_layers`
+(`generation` changes) re-fetch `layer_cache(layer)` and `num_blocks`; before dropping layers,
+release every reference to their weights and KV tensors. A remap that would unmap pages under a
+live view raises ViewStillAliveError and changes nothing, instead of leaving a view that would
+kill the process on touch. The layout is not thread-safe: pause the step loop around remaps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from .errors import KVCapacityError, LayerRangeError, MemoryPoolError, OutOfPagesError, WeightSourceError
+from .pool import PagePool, VirtualRange
+
+TENSOR_ALIGN = 256  # bytes: what CUDA kernels and vector loads want for every weight tensor
+
+HeldWith = Literal["always", "first", "last", "ends"]
+WeightSource = Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor]
+
+
+# ---------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class TensorSpec:
+    """One weight tensor: its full name (the key a weight source answers to), shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class WeightGroupSpec:
+    """Non-layer weights kept together in their own pages.
+
+    `held_with` says when a worker needs them: "first" while it holds layer 0 (embeddings),
+    "last" while it holds the last layer (final norm, lm_head), "ends" while it holds either (tied
+    embeddings), "always" whatever it holds.
+    """
+
+    name: str
+    tensors: tuple[TensorSpec, ...]
+    held_with: HeldWith = "always"
+
+    def held_for(self, start: int, end: int, num_layers_model: int) -> bool:
+        first, last = start == 0, end == num_layers_model
+        return {"always": True, "first": first, "last": last, "ends": first or last}[self.held_with]
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of one KV block: `[2, num_kv_heads, block_size, head_dim]` of `dtype` (head-major)."""
+
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for f in ("num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"KVCacheSpec.{f} must be > 0, got {getattr(self, f)}")
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int]:
+        return (2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.num_kv_heads * self.block_size * self.head_dim * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """What a layer range gets from a pool: see the capacity rule in the module docstring."""
+
+    layer_start: int
+    layer_end: int
+    weight_pages: int
+    kv_pages_per_layer: int
+    num_blocks: int
+    spare_pages: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+@dataclass(frozen=True)
+class RemapResult:
+    """What a drop or restore did; `seconds` is the remap itself, `fill_seconds` the weight copy."""
+
+    op: Literal["drop", "restore"]
+    layers: tuple[int, ...]
+    layer_start: int
+    layer_end: int
+    old_num_blocks: int
+    new_num_blocks: int
+    pages_unmapped: int
+    pages_mapped: int
+    spare_pages: int
+    generation: int
+    seconds: float
+    fill_seconds: float = 0.0
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def pack_tensors(specs: Sequence[TensorSpec], align: int = TENSOR_ALIGN) -> tuple[list[int], int]:
+    """Byte offsets of `specs` packed in order, each aligned to `align`; and the total size."""
+    offsets: list[int] = []
+    pos = 0
+    for s in specs:
+        pos = -(-pos // align) * align
+        offsets.append(pos)
+        pos += s.nbytes
+    return offsets, pos
+
+
+def arena_pages(specs: Sequence[TensorSpec], page_size: int) -> int:
+    """Whole pages the packed `specs` occupy (0 for no bytes)."""
+    _, total = pack_tensors(specs)
+    return -(-total // page_size)
+
+
+def kv_capacity(total_pages: int, weight_pages: int, num_layers: int, page_size: int, block_bytes: int,
+                layer_start: int = 0) -> CapacityPlan:
+    """The capacity rule as pure arithmetic (used by the layout, the planner and bench/remap.py)."""
+    if num_layers <= 0:
+        raise ValueError(f"num_layers must be > 0, got {num_layers}")
+    left = total_pages - weight_pages
+    k = max(left, 0) // num_layers
+    return CapacityPlan(layer_start, layer_start + num_layers, weight_pages, k, k * page_size // block_bytes,
+                        max(left, 0) - k * num_layers)
+
+
+def plan_compaction(used_block_ids: Iterable[int], new_num_blocks: int) -> dict[int, int]:
+    """Move every used block id >= `new_num_blocks` to the lowest free id below it.
+
+    Returns {old_id: new_id} (empty when nothing needs to move). Raises KVCapacityError when more
+    blocks are used than `new_num_blocks` can hold.
+    """
+    used = sorted(set(int(b) for b in used_block_ids))
+    if any(b < 0 for b in used):
+        raise ValueError(f"negative block id in {used[:5]}")
+    if len(used) > new_num_blocks:
+        raise KVCapacityError(
+            f"{len(used)} KV blocks are in use but only {new_num_blocks} would remain: free or move KV first",
+            used_blocks=len(used), new_num_blocks=new_num_blocks, needs_compaction=False)
+    movers = [b for b in used if b >= new_num_blocks]
+    if not movers:
+        return {}
+    used_low = set(b for b in used if b < new_num_blocks)
+    targets = (b for b in range(new_num_blocks) if b not in used_low)
+    return {old: next(targets) for old in movers}
+
+
+# ---------------------------------------------------------------------- arenas
+@dataclass(eq=False)
+class _Arena:
+    """The pages of one layer's (or group's) weights: one virtual range, fully mapped."""
+
+    key: str
+    specs: tuple[TensorSpec, ...]
+    offsets: list[int]
+    vr: VirtualRange
+    cache: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def num_pages(self) -> int:
+        return self.vr.num_slots
+
+
+# ---------------------------------------------------------------------- the layout
+class LayerMemoryLayout:
+    """Weights and KV cache of the layer range [layer_start, layer_end) of one worker, in `pool`.
+
+    `layer_specs(layer)` lists the weight tensors of a layer (full names, e.g.
+    "layers.3.mlp.up_proj.weight"); it is called for held layers and for layers being restored, so
+    it must answer for every layer of the model. `groups` are the non-layer weights. The layout
+    assumes it is the pool's only user. See the module docstring for the capacity rule and the
+    view contract.
+    """
+
+    def __init__(self, pool: PagePool, *, num_layers_model: int, layer_start: int, layer_end: int,
+                 layer_specs: Callable[[int], Sequence[TensorSpec]], kv: KVCacheSpec,
+                 groups: Sequence[WeightGroupSpec] = (), weight_source: WeightSource | None = None,
+                 discard_spare: bool = True) -> None:
+        if num_layers_model <= 0:
+            raise ValueError(f"num_layers_model must be > 0, got {num_layers_model}")
+        if not (0 <= layer_start < layer_end <= num_layers_model):
+            raise LayerRangeError(f"layer range [{layer_start}, {layer_end}) is empty or outside the model's "
+                                  f"[0, {num_layers_model})", range(layer_start, layer_end))
+        names = [g.name for g in groups]
+        empty = [g.name for g in groups if sum(t.nbytes for t in g.tensors) == 0]
+        if empty:
+            raise ValueError(f"weight groups without bytes: {empty}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate weight group names: {names}")
+        self.pool = pool
+        self.num_layers_model = num_layers_model
+        self.kv_spec = kv
+        self.layer_specs = layer_specs
+        self.groups = {g.name: g for g in groups}
+        self.discard_spare = discard_spare
+        self._start, self._end = layer_start, layer_end
+        self._weights: dict[int, _Arena] = {}
+        self._group_arenas: dict[str, _Arena] = {}
+        self._kv: dict[int, VirtualRange] = {}
+        self._kv_cache: dict[int, torch.Tensor] = {}
+        self._spec_cache: dict[int, tuple[TensorSpec, ...]] = {}
+        self._k = 0
+        self.generation = 0
+
+        plan = self._plan(layer_start, layer_end)
+        self._check_plan(plan, "place the layer range")
+        try:
+            for name in self._groups_for(layer_start, layer_end):
+                self._group_arenas[name] = self._make_arena(f"group:{name}", self.groups[name].tensors)
+            for layer in range(layer_start, layer_end):
+                self._make_layer(layer, plan.kv_pages_per_layer)
+        except BaseException:
+            self._teardown()
+            raise
+        self._k = plan.kv_pages_per_layer
+        self._after_remap()
+        if weight_source is not None:
+            self.load_weights(weight_source)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def layer_start(self) -> int:
+        return self._start
+
+    @property
+    def layer_end(self) -> int:
+        return self._end
+
+    @property
+    def layers(self) -> range:
+        return range(self._start, self._end)
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks per layer (the same for every held layer)."""
+        return self._k * self.pool.page_size // self.kv_spec.block_bytes
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_spec.block_size
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_spec.block_bytes
+
+    @property
+    def kv_pages_per_layer(self) -> int:
+        return self._k
+
+    @property
+    def spare_pages(self) -> int:
+        return self.pool.free_count
+
+    @property
+    def weight_pages(self) -> int:
+        return sum(a.num_pages for a in self._arenas())
+
+    @property
+    def held_groups(self) -> list[str]:
+        return list(self._group_arenas)
+
+    def _arenas(self) -> list[_Arena]:
+        return list(self._group_arenas.values()) + [self._weights[layer] for layer in sorted(self._weights)]
+
+    def _specs(self, layer: int) -> tuple[TensorSpec, ...]:
+        if layer not in self._spec_cache:
+            self._spec_cache[layer] = tuple(self.layer_specs(layer))
+        return self._spec_cache[layer]
+
+    def _groups_for(self, start: int, end: int) -> list[str]:
+        return [n for n, g in self.groups.items() if g.held_for(start, end, self.num_layers_model)]
+
+    def _plan(self, start: int, end: int) -> CapacityPlan:
+        P = self.pool.page_size
+        w = sum(arena_pages(self._specs(layer), P) for layer in range(start, end))
+        w += sum(arena_pages(self.groups[n].tensors, P) for n in self._groups_for(start, end))
+        return kv_capacity(self.pool.num_pages, w, end - start, P, self.kv_spec.block_bytes, start)
+
+    def _check_plan(self, plan: CapacityPlan, what: str) -> None:
+        if plan.num_blocks < 1:
+            raise OutOfPagesError(
+                f"cannot {what} [{plan.layer_start}, {plan.layer_end}): the pool has {self.pool.num_pages} pages "
+                f"of {self.pool.page_size} bytes, weights need {plan.weight_pages}, which leaves less than one "
+                f"{self.kv_spec.block_bytes}-byte KV block per layer")
+
+    # ------------------------------------------------------------------ views
+    def layer_cache(self, layer: int) -> torch.Tensor:
+        """KV tensor of a held layer: `[num_blocks, 2, num_kv_heads, block_size, head_dim]`.
+
+        Zero-copy over the mapped head of the layer's KV range; its `data_ptr()` never changes
+        while the layer is held. Re-fetch after every remap (`generation`): a tensor kept from
+        before a restore would block the restore (ViewStillAliveError).
+        """
+        vr = self._kv_range(layer)
+        t = self._kv_cache.get(layer)
+        if t is None:
+            shape = (self.num_blocks, *self.kv_spec.block_shape)
+            t = self.pool.view(vr, 0, shape, self.kv_spec.dtype)
+            self._kv_cache[layer] = t
+        return t
+
+    def kv_data_ptr(self, layer: int) -> int:
+        """Base address of a layer's KV range (stable while the layer is held)."""
+        return self._kv_range(layer).base
+
+    def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        """Zero-copy views of a held layer's weights, by full name. Release them before dropping it."""
+        if layer not in self._weights:
+            if self._start <= layer < self._end:
+                return {}  # a layer with no weight tensors
+            raise LayerRangeError(f"layer {layer} is not held (held: [{self._start}, {self._end}))", [layer],
+                                  "FAILED_PRECONDITION")
+        return dict(self._arena_views(self._weights[layer]))
+
+    def group_weights(self, name: str) -> dict[str, torch.Tensor]:
+        """Zero-copy views of a held weight group (e.g. "embed", "head"), by full tensor name."""
+        if name not in self._group_arenas:
+            known = "held" if name in self.groups else "unknown"
+            raise KeyError(f"weight group {name!r} is {known} not held on layers [{self._start}, {self._end})")
+        return dict(self._arena_views(self._group_arenas[name]))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every held weight tensor by full name (groups and layers)."""
+        out: dict[str, torch.Tensor] = {}
+        for a in self._arenas():
+            out.update(self._arena_views(a))
+        return out
+
+    def release_views(self) -> None:
+        """Drop the layout's own cached views (it does so itself before every remap)."""
+        self._kv_cache.clear()
+        for a in self._arenas():
+            a.cache = None
+
+    def _arena_views(self, a: _Arena) -> dict[str, torch.Tensor]:
+        if a.cache is None:
+            a.cache = {s.name: self.pool.view(a.vr, off, s.shape, s.dtype) for s, off in zip(a.specs, a.offsets)}
+        return a.cache
+
+    def _kv_range(self, layer: int) -> VirtualRange:
+        vr = self._kv.get(layer)
+        if vr is None:
+            raise LayerRangeError(f"layer {layer} is not held (held: [{self._start}, {self._end}))", [layer],
+                                  "FAILED_PRECONDITION")
+        return vr
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, source: WeightSource, layers: Iterable[int] | None = None,
+                     groups: Iterable[str] | None = None) -> float:
+        """Copy weights from `source` (name -> tensor) into the arenas; returns seconds spent.
+
+        Defaults to every held layer and group. Shapes must match exactly; dtypes are converted.
+        """
+        t0 = time.perf_counter()
+        arenas: list[_Arena] = []
+        for g in (self._group_arenas if groups is None else groups):
+            if g not in self._group_arenas:
+                raise KeyError(f"weight group {g!r} is not held")
+            arenas.append(self._group_arenas[g])
+        for layer in (self.layers if layers is None else layers):
+            if not (self._start <= layer < self._end):
+                raise LayerRangeError(f"layer {layer} is not held", [layer], "FAILED_PRECONDITION")
+            if layer in self._weights:
+                arenas.append(self._weights[layer])
+        get = source.__getitem__ if isinstance(source, Mapping) else source
+        for a in arenas:
+            self._fill_arena(a, get)
+        return time.perf_counter() - t0
+
+    def _fill_arena(self, a: _Arena, get: Callable[[str], torch.Tensor]) -> None:
+        views: dict[str, torch.Tensor] | None = self._arena_views(a)
+        try:
+            with torch.no_grad():
+                for s in a.specs:
+                    try:
+                        src = get(s.name)
+                    except KeyError as e:
+                        raise WeightSourceError(s.name, "missing from the weight source") from e
+                    if not isinstance(src, torch.Tensor):
+                        raise WeightSourceError(s.name, f"weight source returned {type(src).__name__}, not a tensor")
+                    if tuple(src.shape) != s.shape:
+                        raise WeightSourceError(s.name, f"shape {tuple(src.shape)} != expected {s.shape}")
+                    assert views is not None
+                    views[s.name].copy_(src)
+        finally:
+            # A traceback keeps this frame alive; it must not pin views a rollback has to unmap.
+            views = None
+            a.cache = None
+
+    def host_copy(self, layers: Iterable[int] | None = None, groups: bool = True) -> dict[str, torch.Tensor]:
+        """CPU clones of held weights by name: a weight source for a later `restore_layers`."""
+        out: dict[str, torch.Tensor] = {}
+        arenas = list(self._group_arenas.values()) if groups else []
+        arenas += [self._weights[layer] for layer in (self.layers if layers is None else layers)
+                   if layer in self._weights]
+        for a in arenas:
+            for name, v in self._arena_views(a).items():
+                out[name] = v.detach().to("cpu", copy=True)
+            a.cache = None
+        return out
+
+    # ------------------------------------------------------------------ validation
+    def _normalize(self, layers: Iterable[int]) -> list[int]:
+        ls = [int(x) for x in layers]
+        if not ls:
+            raise LayerRangeError("no layers given", [])
+        if len(set(ls)) != len(ls):
+            dups = sorted({x for x in ls if ls.count(x) > 1})
+            raise LayerRangeError("duplicate layers", dups)
+        outside = [x for x in ls if not (0 <= x < self.num_layers_model)]
+        if outside:
+            raise LayerRangeError(f"outside the model's layers [0, {self.num_layers_model})", outside)
+        return sorted(ls)
+
+    def _drop_target(self, layers: Iterable[int]) -> tuple[list[int], int, int]:
+        ls = self._normalize(layers)
+        held = set(self.layers)
+        missing = [x for x in ls if x not in held]
+        if missing:
+            raise LayerRangeError(f"not held by this worker (held: [{self._start}, {self._end}))", missing,
+                                  "FAILED_PRECONDITION")
+        remaining = [x for x in self.layers if x not in set(ls)]
+        if not remaining:
+            raise LayerRangeError("would drop every held layer; a worker keeps at least one", ls,
+                                  "FAILED_PRECONDITION")
+        if remaining[-1] - remaining[0] + 1 != len(remaining):
+            raise LayerRangeError(f"must be a prefix and/or suffix of the held range [{self._start}, {self._end}): "
+                                  f"the remaining layers would not be contiguous", ls, "FAILED_PRECONDITION")
+        return ls, remaining[0], remaining[-1] + 1
+
+    def _restore_target(self, layers: Iterable[int]) -> tuple[list[int], int, int]:
+        ls = self._normalize(layers)
+        held = [x for x in ls if self._start <= x < self._end]
+        if held:
+            raise LayerRangeError(f"already held (held: [{self._start}, {self._end}))", held, "FAILED_PRECONDITION")
+        new_start, new_end = min(ls[0], self._start), max(ls[-1] + 1, self._end)
+        if new_end - new_start != len(ls) + (self._end - self._start):
+            raise LayerRangeError(f"must extend the held range [{self._start}, {self._end}) contiguously "
+                                  f"(adjacent prefix and/or suffix)", ls, "FAILED_PRECONDITION")
+        return ls, new_start, new_end
+
+    def plan_drop(self, layers: Iterable[int]) -> CapacityPlan:
+        """Validate a drop and return the capacity it would give (nothing changes)."""
+        _, s, e = self._drop_target(layers)
+        return self._plan(s, e)
+
+    def plan_restore(self, layers: Iterable[int]) -> CapacityPlan:
+        """Validate a restore and return the capacity left after it (nothing changes)."""
+        _, s, e = self._restore_target(layers)
+        plan = self._plan(s, e)
+        self._check_plan(plan, "restore to")
+        return plan
+
+    # ------------------------------------------------------------------ drop
+    def drop_layers(self, layers: Iterable[int]) -> RemapResult:
+        """Free the weights and KV of `layers` and remap their pages into the remaining KV tails.
+
+        `layers` must leave a contiguous, non-empty range (a prefix and/or suffix of the held
+        range). Weight groups no longer needed (e.g. embeddings when layer 0 goes) are freed too.
+        The remaining layers' KV pages stay where they are: no KV byte moves, and their KV
+        tensors keep their data_ptr. Raises LayerRangeError or ViewStillAliveError with nothing
+        changed.
+        """
+        ls, new_start, new_end = self._drop_target(layers)
+        plan = self._plan(new_start, new_end)
+        t0 = time.perf_counter()
+        old_blocks = self.num_blocks
+        gone_groups = [n for n in self._group_arenas if n not in self._groups_for(new_start, new_end)]
+        out_ranges: list[VirtualRange] = [self._kv[x] for x in ls]
+        out_ranges += [self._weights[x].vr for x in ls if x in self._weights]
+        out_ranges += [self._group_arenas[n].vr for n in gone_groups]
+        self.release_views()
+        self.pool.ensure_no_views((vr, 0, vr.num_slots) for vr in out_ranges)
+
+        unmapped = 0
+        for x in ls:
+            if x in self._weights:
+                unmapped += len(self.pool.free_range(self._weights.pop(x).vr))
+            unmapped += len(self.pool.free_range(self._kv.pop(x)))
+        for n in gone_groups:
+            unmapped += len(self.pool.free_range(self._group_arenas.pop(n).vr))
+        self._start, self._end = new_start, new_end
+        grow = plan.kv_pages_per_layer - self._k
+        assert grow >= 0
+        mapped = 0
+        for x in self.layers:
+            pages = self.pool.take_free(grow)
+            self.pool.map(self._kv[x], self._k, pages)
+            mapped += len(pages)
+        self._k = plan.kv_pages_per_layer
+        self._after_remap()
+        return RemapResult("drop", tuple(ls), new_start, new_end, old_blocks, self.num_blocks, unmapped, mapped,
+                           self.pool.free_count, self.generation, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ restore
+    def restore_layers(self, layers: Iterable[int], weight_source: WeightSource,
+                       used_block_ids: Collection[int] = ()) -> RemapResult:
+        """Take pages back from the KV tails, re-create `layers`, fill their weights from `weight_source`.
+
+        `used_block_ids` are the KV blocks the allocator has handed out; every one must be below
+        the new `num_blocks` (see `plan_restore`), else KVCapacityError (compact first, or free
+        KV). The restored layers' KV starts empty; their weights (and weight groups that become
+        needed) come from `weight_source` (name -> tensor, e.g. `host_copy()` or a checkpoint
+        reader). If filling fails, the restore is rolled back and the error re-raised.
+        """
+        ls, new_start, new_end = self._restore_target(layers)
+        plan = self._plan(new_start, new_end)
+        self._check_plan(plan, "restore to")
+        old_blocks = self.num_blocks
+        used = set(int(b) for b in used_block_ids)
+        bad = sorted(b for b in used if not (0 <= b < old_blocks))
+        if bad:
+            raise ValueError(f"used block ids outside [0, {old_blocks}): {bad[:8]}")
+        if len(used) > plan.num_blocks:
+            raise KVCapacityError(
+                f"restoring layers {ls} leaves {plan.num_blocks} KV blocks per layer but {len(used)} are in use: "
+                f"free or move KV first", used_blocks=len(used), new_num_blocks=plan.num_blocks,
+                needs_compaction=False)
+        beyond = sorted(b for b in used if b >= plan.num_blocks)
+        if beyond:
+            raise KVCapacityError(
+                f"restoring layers {ls} shrinks the KV cache to {plan.num_blocks} blocks but blocks {beyond[:8]}"
+                f"{'...' if len(beyond) > 8 else ''} beyond it are in use: call plan_compaction / apply_compaction "
+                f"and rewrite the block tables first", used_blocks=len(used), new_num_blocks=plan.num_blocks,
+                needs_compaction=True)
+
+        t0 = time.perf_counter()
+        k_new = plan.kv_pages_per_layer
+        self.release_views()
+        self.pool.ensure_no_views((self._kv[x], k_new, self._k) for x in self.layers)
+        unmapped = 0
+        if k_new < self._k:
+            for x in self.layers:
+                unmapped += len(self.pool.unmap(self._kv[x], k_new, self._k - k_new))
+        self._k = k_new
+        new_groups = [n for n in self._groups_for(new_start, new_end) if n not in self._group_arenas]
+        mapped = 0
+        for n in new_groups:
+            self._group_arenas[n] = self._make_arena(f"group:{n}", self.groups[n].tensors)
+            mapped += self._group_arenas[n].num_pages
+        for x in ls:
+            mapped += self._make_layer(x, k_new)
+        self._start, self._end = new_start, new_end
+        self._after_remap()
+        seconds = time.perf_counter() - t0
+        try:
+            fill = self.load_weights(weight_source, layers=ls, groups=new_groups)
+        except BaseException:
+            self._rollback_restore(ls, new_groups)
+            raise
+        return RemapResult("restore", tuple(ls), new_start, new_end, old_blocks, self.num_blocks, unmapped, mapped,
+                           self.pool.free_count, self.generation, seconds, fill)
+
+    def _rollback_restore(self, ls: list[int], new_groups: list[str]) -> None:
+        remaining = [x for x in self.layers if x not in set(ls)]
+        self.release_views()
+        for x in ls:
+            if x in self._weights:
+                self.pool.free_range(self._weights.pop(x).vr)
+            self.pool.free_range(self._kv.pop(x))
+        for n in new_groups:
+            self.pool.free_range(self._group_arenas.pop(n).vr)
+        self._start, self._end = remaining[0], remaining[-1] + 1
+        plan = self._plan(self._start, self._end)
+        grow = plan.kv_pages_per_layer - self._k
+        for x in self.layers:
+            self.pool.map(self._kv[x], self._k, self.pool.take_free(grow))
+        self._k = plan.kv_pages_per_layer
+        self._after_remap()
+
+    # ------------------------------------------------------------------ compaction
+    def plan_compaction(self, used_block_ids: Iterable[int], new_num_blocks: int) -> dict[int, int]:
+        """{old_id: new_id} moving used blocks below `new_num_blocks` (see module-level plan_compaction)."""
+        used = list(used_block_ids)
+        bad = [b for b in used if not (0 <= int(b) < self.num_blocks)]
+        if bad:
+            raise ValueError(f"used block ids outside [0, {self.num_blocks}): {bad[:8]}")
+        return plan_compaction(used, new_num_blocks)
+
+    def apply_compaction(self, mapping: Mapping[int, int]) -> None:
+        """Copy KV block `old` to `new` for every pair, in every held layer, all at once.
+
+        All sources are read before any destination is written, so chains are safe. Destinations
+        must be distinct and should be free blocks: the layout does not know which blocks are
+        live. The caller rewrites its block tables with the same mapping afterwards.
+        """
+        if not mapping:
+            return
+        src = [int(k) for k in mapping]
+        dst = [int(v) for v in mapping.values()]
+        nb = self.num_blocks
+        bad = [b for b in src + dst if not (0 <= b < nb)]
+        if bad:
+            raise ValueError(f"block ids outside [0, {nb}): {bad[:8]}")
+        if len(set(dst)) != len(dst):
+            raise ValueError("two blocks would be moved to the same destination")
+        dev = self.pool.device
+        src_t = torch.tensor(src, dtype=torch.long, device=dev)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=dev)
+        with torch.no_grad():
+            for x in self.layers:
+                kv = self.layer_cache(x)
+                kv.index_copy_(0, dst_t, kv.index_select(0, src_t))
+
+    # ------------------------------------------------------------------ building blocks
+    def _make_arena(self, key: str, specs: Sequence[TensorSpec]) -> _Arena:
+        specs = tuple(specs)
+        offsets, total = pack_tensors(specs)
+        n = -(-total // self.pool.page_size)
+        if n <= 0:
+            raise ValueError(f"arena {key} has no bytes")
+        vr = self.pool.reserve(n, f"weights:{key}" if not key.startswith("group:") else key)
+        try:
+            self.pool.map(vr, 0, self.pool.take_free(n))
+        except BaseException:
+            self.pool.free_range(vr)
+            raise
+        return _Arena(key, specs, offsets, vr)
+
+    def _make_layer(self, layer: int, kv_pages: int) -> int:
+        """Create a layer's weight arena (if it has weights) and KV range; returns pages mapped."""
+        mapped = 0
+        specs = self._specs(layer)
+        if specs and sum(s.nbytes for s in specs) > 0:
+            self._weights[layer] = self._make_arena(str(layer), specs)
+            mapped += self._weights[layer].num_pages
+        # Reserved at the size of the whole pool: the most pages this layer's KV could ever get.
+        vr = self.pool.reserve(self.pool.num_pages, f"kv:{layer}")
+        self._kv[layer] = vr
+        self.pool.map(vr, 0, self.pool.take_free(kv_pages))
+        return mapped + kv_pages
+
+    def _after_remap(self) -> None:
+        self._kv_cache.clear()
+        self.generation += 1
+        if self.discard_spare:
+            self.pool.discard_free_pages()
+
+    def _teardown(self) -> None:
+        self.release_views()
+        for vr in [a.vr for a in self._arenas()] + list(self._kv.values()):
+            if not vr.released:
+                self.pool.free_range(vr)
+        self._weights.clear()
+        self._group_arenas.clear()
+        self._kv.clear()
+
+    def close(self) -> None:
+        """Free every range of this layout (the pool itself stays open). Refuses while views are alive."""
+        self.release_views()
+        self.pool.ensure_no_views((vr, 0, vr.num_slots) for vr in [a.vr for a in self._arenas()] +
+                                  list(self._kv.values()))
+        self._teardown()
+
+    # ------------------------------------------------------------------ introspection
+    def check_invariants(self) -> None:
+        """Pool bookkeeping plus: every held layer has its weights and exactly k KV pages at its head."""
+        self.pool.check_invariants()
+        assert set(self._kv) == set(self.layers), f"KV ranges {sorted(self._kv)} != held {list(self.layers)}"
+        for x in self.layers:
+            vr = self._kv[x]
+            assert vr.mapped_prefix() == self._k == vr.mapped_count(), \
+                f"layer {x}: KV head {vr.mapped_prefix()} / mapped {vr.mapped_count()} pages, expected {self._k}"
+            specs = self._specs(x)
+            assert (x in self._weights) == bool(specs and sum(s.nbytes for s in specs) > 0)
+        assert set(self._weights) <= set(self.layers)
+        assert sorted(self._group_arenas) == sorted(self._groups_for(self._start, self._end))
+        for a in self._arenas():
+            assert a.vr.mapped_count() == a.vr.num_slots, f"arena {a.key} not fully mapped"
+        owned = {a.vr.rid for a in self._arenas()} | {vr.rid for vr in self._kv.values()}
+        assert owned == {vr.rid for vr in self.pool.ranges}, "pool holds ranges the layout does not know"
+        plan = self._plan(self._start, self._end)
+        assert plan.kv_pages_per_layer == self._k, f"KV pages per layer {self._k} != plan {plan.kv_pages_per_layer}"
+        assert self.pool.free_count == plan.spare_pages, f"free {self.pool.free_count} != spare {plan.spare_pages}"
+
+    def memory_map(self, per_page: bool = True) -> dict[str, Any]:
+        """Plain-data description for the worker's memory RPC and `kunctl memory`.
+
+        Owners are "free", "weights:<layer>", "kv:<layer>" and "group:<name>". `page_runs` lists
+        [first_page, count, owner] for runs of physical pages with one owner; `page_owners` (when
+        `per_page`) gives the owner of every page.
+        """
+        P = self.pool.page_size
+        owner_of: list[str] = []
+        for p in range(self.pool.num_pages):
+            o = self.pool.page_owner(p)
+            owner_of.append("free" if o is None else o[0].tag)
+        runs: list[list[Any]] = []
+        for p, o in enumerate(owner_of):
+            if runs and runs[-1][2] == o and runs[-1][0] + runs[-1][1] == p:
+                runs[-1][1] += 1
+            else:
+                runs.append([p, 1, o])
+        counts: dict[str, int] = {}
+        for o in owner_of:
+            counts[o] = counts.get(o, 0) + 1
+        nb = self.num_blocks
+        n = self._end - self._start
+        layers = []
+        for x in self.layers:
+            w = self._weights.get(x)
+            layers.append({
+                "layer": x,
+                "weight_pages": w.num_pages if w else 0,
+                "weight_bytes": sum(s.nbytes for s in w.specs) if w else 0,
+                "kv_pages": self._k,
+                "kv_blocks": nb,
+                "kv_base": self._kv[x].base,
+            })
+        out: dict[str, Any] = {
+            "backend": self.pool.backend,
+            "device": str(self.pool.device),
+            "page_size": P,
+            "num_pages": self.pool.num_pages,
+            "free_pages": self.pool.free_count,
+            "generation": self.generation,
+            "num_layers_model": self.num_layers_model,
+            "layer_start": self._start,
+            "layer_end": self._end,
+            "weight_pages": self.weight_pages,
+            "weight_bytes": sum(s.nbytes for a in self._arenas() for s in a.specs),
+            "groups": [{"name": a.key.removeprefix("group:"), "pages": a.num_pages,
+                        "bytes": sum(s.nbytes for s in a.specs)} for a in self._group_arenas.values()],
+            "kv": {
+                "block_size": self.kv_spec.block_size,
+                "block_bytes": self.kv_spec.block_bytes,
+                "block_shape": list(self.kv_spec.block_shape),
+                "dtype": str(self.kv_spec.dtype).removeprefix("torch."),
+                "pages_per_layer": self._k,
+                "num_blocks": nb,
+                "capacity_blocks": nb,
+                "capacity_tokens": nb * self.kv_spec.block_size,
+                "capacity_bytes": nb * self.kv_spec.block_bytes * n,
+                "mapped_bytes": self._k * P * n,
+            },
+            "layers": layers,
+            "owner_pages": counts,
+            "page_runs": runs,
+            "stats": dict(self.pool.stats),
+        }
+        if per_page:
+            out["page_owners"] = owner_of
+        return out
+
+    def __repr__(self) -> str:
+        return (f"LayerMemoryLayout(layers=[{self._start}, {self._end}), num_blocks={self.num_blocks}, "
+                f"kv_pages_per_layer={self._k}, weight_pages={self.weight_pages}, spare={self.spare_pages}, "
+                f"backend={self.pool.backend})")
+
+
+def uniform_layer_specs(template: Sequence[tuple[str, Sequence[int], torch.dtype]],
+                        prefix: str = "layers.{layer}.") -> Callable[[int], list[TensorSpec]]:
+    """`layer_specs` for a model whose layers all have the same tensors: names get `prefix` + name."""
+    tmpl = [(n, tuple(s), d) for n, s, d in template]
+
+    def specs(layer: int) -> list[TensorSpec]:
+        p = prefix.format(layer=layer)
+        return [TensorSpec(p + n, s, d) for n, s, d in tmpl]
+
+    return specs
+
+
+__all__ = [
+    "CapacityPlan", "HeldWith", "KVCacheSpec", "LayerMemoryLayout", "RemapResult", "TensorSpec", "WeightGroupSpec",
+    "WeightSource", "arena_pages", "kv_capacity", "pack_tensors", "plan_compaction", "uniform_layer_specs",
+]
