@@ -336,9 +336,9 @@ class PagePool(ABC):
             return torch.empty(shape, dtype=dtype, device=self.device)
         first = offset // self.page_size
         end = -(-(offset + nbytes) // self.page_size)
-        for s in range(first, end):
-            if vr.slots[s] is None:
-                raise MemoryPoolError(f"view over unmapped slot {s} of {vr.tag!r} refused (it would fault on touch)")
+        if None in vr.slots[first:end]:
+            s = first + vr.slots[first:end].index(None)
+            raise MemoryPoolError(f"view over unmapped slot {s} of {vr.tag!r} refused (it would fault on touch)")
         raw, tracker = self._raw_view(vr.address(0) + offset, nbytes)
         if len(vr.views) >= 64:
             vr.live_views()  # prunes dead entries
