@@ -193,7 +193,7 @@ def layer_bench(backend: str, page_size: int, shapes: dict[str, Any], num_layers
             drop_calls = pool.stats["map_calls"] - s0["map_calls"] + pool.stats["unmap_calls"] - s0["unmap_calls"]
             s1 = dict(pool.stats)
             t0 = time.perf_counter()
-            last_restore = layout.restore_layers(layers, source)
+            last_restore = layout.restore_layers(layers, source, used_block_ids=())
             _sync(pool)
             total = time.perf_counter() - t0
             restore_s.append(last_restore.seconds)

@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 import torch
 
-from .errors import KVCapacityError, LayerRangeError, MemoryPoolError, OutOfPagesError, WeightSourceError
+from .errors import KVCapacityError, LayerRangeError, OutOfPagesError, WeightSourceError
 from .pool import PagePool, VirtualRange
 
 TENSOR_ALIGN = 256  # bytes: what CUDA kernels and vector loads want for every weight tensor
@@ -553,13 +553,14 @@ class LayerMemoryLayout:
                            self.pool.free_count, self.generation, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ restore
-    def restore_layers(self, layers: Iterable[int], weight_source: WeightSource,
-                       used_block_ids: Collection[int] = ()) -> RemapResult:
+    def restore_layers(self, layers: Iterable[int], weight_source: WeightSource, *,
+                       used_block_ids: Collection[int]) -> RemapResult:
         """Take pages back from the KV tails, re-create `layers`, fill their weights from `weight_source`.
 
-        `used_block_ids` are the KV blocks the allocator has handed out; every one must be below
-        the new `num_blocks` (see `plan_restore`), else KVCapacityError (compact first, or free
-        KV). The restored layers' KV starts empty; their weights (and weight groups that become
+        `used_block_ids` are the KV blocks the allocator has handed out (required, pass `()` when
+        none: forgetting them would unmap live KV, and GPU kernels do not bounds-check block ids);
+        every one must be below the new `num_blocks` (see `plan_restore`), else KVCapacityError
+        (compact first, or free KV). The restored layers' KV starts empty; their weights (and weight groups that become
         needed) come from `weight_source` (name -> tensor, e.g. `host_copy()` or a checkpoint
         reader). If filling fails, the restore is rolled back and the error re-raised.
         """

@@ -126,7 +126,7 @@ def test_drop_then_restore_weights_byte_identical():
     assert lay.held_groups == ["head"]
     lay.check_invariants()
     used = []  # nothing in use: restore needs no compaction
-    r = lay.restore_layers([0, 1], original, used)
+    r = lay.restore_layers([0, 1], original, used_block_ids=used)
     lay.check_invariants()
     assert (lay.layer_start, lay.layer_end) == (0, 6) and r.layers == (0, 1)
     now = lay.weights()
@@ -148,14 +148,14 @@ def test_restore_needs_compaction_when_tail_blocks_are_used():
             kv[b] = block_pattern(lay, x, b)
         del kv
     with pytest.raises(KVCapacityError) as ei:
-        lay.restore_layers([5], pattern_source, used)
+        lay.restore_layers([5], pattern_source, used_block_ids=used)
     assert ei.value.needs_compaction and ei.value.grpc_code == "FAILED_PRECONDITION"
     assert lay.num_blocks == big  # nothing changed
     mapping = lay.plan_compaction(used, plan.num_blocks)
     assert mapping == {big - 2: 1, big - 1: 2}
     lay.apply_compaction(mapping)
     used = [mapping.get(b, b) for b in used]
-    lay.restore_layers([5], pattern_source, used)
+    lay.restore_layers([5], pattern_source, used_block_ids=used)
     lay.check_invariants()
     for x in range(5):
         kv = lay.layer_cache(x)
@@ -171,7 +171,7 @@ def test_restore_refused_when_used_blocks_exceed_capacity_left():
     before = _state(lay)
     used = list(range(plan.num_blocks + 1))
     with pytest.raises(KVCapacityError) as ei:
-        lay.restore_layers([5], pattern_source, used)
+        lay.restore_layers([5], pattern_source, used_block_ids=used)
     assert not ei.value.needs_compaction and ei.value.used_blocks == plan.num_blocks + 1
     with pytest.raises(KVCapacityError):
         lay.plan_compaction(used, plan.num_blocks)
@@ -233,15 +233,15 @@ def test_drop_errors_leave_state_unchanged():
 def test_restore_errors_leave_state_unchanged():
     lay = make_layout(num_layers=6, layer_start=2, layer_end=4, num_pages=40)
     before = _state(lay)
-    _expect_layer_error(lambda: lay.restore_layers([6], pattern_source), [6], "INVALID_ARGUMENT", "outside")
-    _expect_layer_error(lambda: lay.restore_layers([3, 4], pattern_source), [3], "FAILED_PRECONDITION",
+    _expect_layer_error(lambda: lay.restore_layers([6], pattern_source, used_block_ids=()), [6], "INVALID_ARGUMENT", "outside")
+    _expect_layer_error(lambda: lay.restore_layers([3, 4], pattern_source, used_block_ids=()), [3], "FAILED_PRECONDITION",
                         "already held")
-    _expect_layer_error(lambda: lay.restore_layers([0], pattern_source), [0], "FAILED_PRECONDITION", "contiguous")
-    _expect_layer_error(lambda: lay.restore_layers([4, 6], pattern_source), [6], "INVALID_ARGUMENT", "outside")
-    _expect_layer_error(lambda: lay.restore_layers([4, 5, 5], pattern_source), [5], "INVALID_ARGUMENT",
+    _expect_layer_error(lambda: lay.restore_layers([0], pattern_source, used_block_ids=()), [0], "FAILED_PRECONDITION", "contiguous")
+    _expect_layer_error(lambda: lay.restore_layers([4, 6], pattern_source, used_block_ids=()), [6], "INVALID_ARGUMENT", "outside")
+    _expect_layer_error(lambda: lay.restore_layers([4, 5, 5], pattern_source, used_block_ids=()), [5], "INVALID_ARGUMENT",
                         "duplicate")
     assert _state(lay) == before
-    lay.restore_layers([0, 1, 4, 5], pattern_source)  # both sides at once
+    lay.restore_layers([0, 1, 4, 5], pattern_source, used_block_ids=())  # both sides at once
     assert (lay.layer_start, lay.layer_end) == (0, 6) and lay.held_groups == ["embed", "head"]
     for name, t in lay.weights().items():
         assert torch.equal(t, pattern_source(name))
@@ -254,7 +254,7 @@ def test_restore_without_room_for_weights_is_resource_exhausted():
         lay.plan_restore([2, 3, 4])
     assert ei.value.grpc_code == "RESOURCE_EXHAUSTED"
     with pytest.raises(OutOfPagesError):
-        lay.restore_layers([2, 3, 4], pattern_source)
+        lay.restore_layers([2, 3, 4], pattern_source, used_block_ids=())
     lay.check_invariants()
 
 
@@ -285,10 +285,10 @@ def test_restore_refused_while_a_stale_kv_tensor_covers_the_tail():
     stale = lay.layer_cache(0)  # covers the grown cache, whose tail restore takes back
     before = _state(lay)
     with pytest.raises(ViewStillAliveError, match="kv:0"):
-        lay.restore_layers([3], pattern_source)
+        lay.restore_layers([3], pattern_source, used_block_ids=())
     assert _state(lay) == before and lay.generation == gen
     del stale
-    lay.restore_layers([3], pattern_source)
+    lay.restore_layers([3], pattern_source, used_block_ids=())
     assert lay.generation == gen + 1
     lay.check_invariants()
 
@@ -311,14 +311,14 @@ def test_weight_source_failure_rolls_back_the_restore():
     names = [s.name for s in layer_specs(2)] + [s.name for g in groups for s in g.tensors]
     source = {n: pattern_source(n) for n in names}  # layer 3 missing
     with pytest.raises(WeightSourceError, match="model.layers.3"):
-        lay.restore_layers([2, 3], source)
+        lay.restore_layers([2, 3], source, used_block_ids=())
     gc.collect()
     assert _state(lay) == before
     lay.check_invariants()
     wrong = dict(source)
     wrong["model.layers.2.mlp.up_proj.weight"] = torch.zeros(3, 3)
     with pytest.raises(WeightSourceError, match="shape"):
-        lay.restore_layers([2], wrong)
+        lay.restore_layers([2], wrong, used_block_ids=())
     assert _state(lay) == before
 
 
@@ -352,7 +352,7 @@ def test_bf16_kv_and_weights():
 def test_middle_stage_holds_no_groups_and_gets_embeddings_on_restore():
     lay = make_layout(num_layers=6, layer_start=2, layer_end=4, num_pages=40)
     assert lay.held_groups == []
-    lay.restore_layers([0, 1], pattern_source)
+    lay.restore_layers([0, 1], pattern_source, used_block_ids=())
     assert lay.held_groups == ["embed"]
     assert torch.equal(lay.group_weights("embed")["model.embed_tokens.weight"],
                        pattern_source("model.embed_tokens.weight"))
@@ -395,3 +395,11 @@ def test_close_frees_every_range():
     lay.close()
     assert lay.pool.free_count == lay.pool.num_pages and lay.pool.ranges == []
     lay.pool.close()
+
+
+def test_restore_requires_the_used_block_ids():
+    """Forgetting them could unmap live KV; GPU kernels would then read unmapped memory."""
+    lay = make_layout(num_layers=3)
+    lay.drop_layers([2])
+    with pytest.raises(TypeError):
+        lay.restore_layers([2], pattern_source)  # type: ignore[call-arg]

@@ -146,7 +146,7 @@ class LayoutMachine(RuleBasedStateMachine):
             used = self.used()
         state = (lay.layer_start, lay.layer_end, lay.num_blocks, lay.generation)
         try:
-            lay.restore_layers(layers, pattern_source, used)
+            lay.restore_layers(layers, pattern_source, used_block_ids=used)
         except KVCapacityError as e:
             event(f"restore refused (needs_compaction={e.needs_compaction})")
             assert (lay.layer_start, lay.layer_end, lay.num_blocks, lay.generation) == state
