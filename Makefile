@@ -37,3 +37,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+
+## Containers for real (not part of `make test`): build the images, compose up, stream a generation and check
+## it against the reference engine, compose down. Needs Docker, or root to start a private dockerd.
+.PHONY: compose-test
+compose-test: $(STAMP)
+	$(BIN)/python scripts/compose_test.py

@@ -31,10 +31,10 @@ WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 TIMEOUT_S = 3.0
 
 
-def find_service() -> tuple[str, list[str]] | None:
+def find_service(proc_root: str = "/proc") -> tuple[str, list[str]] | None:
     """(config section, the service's arguments) of the KunServe service process in this container."""
     me = os.getpid()
-    for proc in sorted(pathlib.Path("/proc").iterdir(), key=lambda p: (len(p.name), p.name)):
+    for proc in sorted(pathlib.Path(proc_root).iterdir(), key=lambda p: (len(p.name), p.name)):
         if not proc.name.isdigit() or int(proc.name) == me:
             continue
         try:
