@@ -25,6 +25,7 @@ DEBIAN_MIRROR (default http://deb.debian.org/debian) for the stand-in base image
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import http.server
@@ -534,6 +535,16 @@ def main(argv: list[str]) -> int:
     build_only = "--build-only" in argv  # stop after building the images (while iterating on the Dockerfile)
     signal.signal(signal.SIGTERM, _on_sigterm)
     CACHE.mkdir(parents=True, exist_ok=True)
+    lock = open(CACHE / "lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        log(f"FAILED: another compose-test run holds {CACHE / 'lock'}")
+        return 1
+    # The reference and the containers must see the same config: no KUNSERVE_* overrides from this shell.
+    for key in sorted(k for k in os.environ if k.startswith("KUNSERVE")):
+        log(f"ignoring {key} from the environment")
+        del os.environ[key]
     ok = False
     with contextlib.ExitStack() as stack:
         try:
