@@ -275,7 +275,7 @@ def build_standin_rootfs(tarball: pathlib.Path) -> None:
         rootfs = pathlib.Path(tmp) / "rootfs"
         run([debootstrap, "--variant=minbase",
              "--include=python3,python3-venv,python-is-python3,passwd,ca-certificates,netbase",
-             "bookworm", rootfs, mirror], timeout=900)
+             "bookworm", rootfs, mirror], timeout=900, log_file=CACHE / "debootstrap.log")
         for sub in ("var/cache/apt/archives", "var/lib/apt/lists"):
             for f in (rootfs / sub).glob("*"):
                 if f.is_file():
