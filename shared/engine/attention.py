@@ -92,16 +92,19 @@ class TorchPagedAttention:
             out[rows] = self._prefill(q[rows], cache, chunk, mask)
         return out
 
-    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor, which: int) -> torch.Tensor:
-        # [..., nb, KVH, bs, d] -> [..., KVH, nb*bs, d]
-        x = cache[block_ids, which]
-        x = x.transpose(-3, -4)
-        return x.reshape(*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1])
+    @staticmethod
+    def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given blocks as [..., KVH, nb*bs, d]: one index_select (a memcpy per block)
+        instead of advanced indexing, which is several times slower on CPU."""
+        lead = block_ids.shape  # (..., nb)
+        x = torch.index_select(cache, 0, block_ids.reshape(-1))  # [n, 2, KVH, bs, d]
+        x = x.view(*lead, *x.shape[1:]).movedim(len(lead) - 1, -3)  # [..., 2, KVH, nb, bs, d]
+        x = x.reshape(*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1])  # [..., 2, KVH, nb*bs, d]
+        return x.select(-4, 0), x.select(-4, 1)
 
     def _decode(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         B = q.shape[0]
-        keys = self._gather(cache, meta.decode_block_tables, 0)  # [B, KVH, L, d]
-        values = self._gather(cache, meta.decode_block_tables, 1)
+        keys, values = self._gather_kv(cache, meta.decode_block_tables)  # [B, KVH, L, d]
         qg = q.view(B, self.num_kv_heads, self.group, self.head_dim)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [B, KVH, G, L]
         scores.masked_fill_(meta.decode_mask, float("-inf"))
@@ -110,8 +113,8 @@ class TorchPagedAttention:
 
     def _prefill(self, q: torch.Tensor, cache: torch.Tensor, chunk: PrefillChunk, mask: torch.Tensor) -> torch.Tensor:
         n, ctx = chunk.num_tokens, chunk.context_len
-        keys = self._gather(cache, chunk.block_ids, 0)[:, :ctx]  # [KVH, ctx, d]
-        values = self._gather(cache, chunk.block_ids, 1)[:, :ctx]
+        keys, values = self._gather_kv(cache, chunk.block_ids)  # [KVH, nb*bs, d]
+        keys, values = keys[:, :ctx], values[:, :ctx]
         o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                            attn_mask=mask, scale=self.scale, enable_gqa=self.group > 1)
         return o.squeeze(0).transpose(0, 1)
