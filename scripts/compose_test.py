@@ -236,11 +236,16 @@ class Daemon:
 
 # -- base image -------------------------------------------------------------------------------------------
 def base_images() -> list[str]:
-    out = []
+    """The external images docker/Dockerfile starts from (not its own stages)."""
+    out: list[str] = []
+    stages: set[str] = set()
     for line in (ROOT / "docker" / "Dockerfile").read_text().splitlines():
         parts = line.split()
-        if len(parts) >= 2 and parts[0].upper() == "FROM" and parts[1] not in out:
-            out.append(parts[1])
+        if len(parts) >= 2 and parts[0].upper() == "FROM":
+            if parts[1] not in stages and parts[1] not in out:
+                out.append(parts[1])
+            if len(parts) >= 4 and parts[2].upper() == "AS":
+                stages.add(parts[3])
     return out
 
 
