@@ -11,6 +11,7 @@ import sys
 
 import structlog
 
+from kunserve.cli.launcher import die_with_parent_if_asked
 from kunserve.shared.config import ClusterConfig, ConfigError, ServiceSection, load_config
 from kunserve.shared.log import configure_logging
 
@@ -28,6 +29,7 @@ def service_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
 def load_service_config(args: argparse.Namespace, service: str, *, section: str | None = None,
                         worker_id: str | None = None) -> tuple[ClusterConfig, structlog.BoundLogger]:
     """Load config, apply this service's flag overrides, set up logging; exit with a one-line error."""
+    die_with_parent_if_asked()
     try:
         cfg = load_config(args.config)
         target: ServiceSection = cfg.worker(worker_id) if worker_id is not None else getattr(cfg, section or service)

@@ -21,6 +21,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # Reconnect quickly when a peer (re)starts: the default backoff grows to 2 minutes.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
@@ -63,6 +67,8 @@ async def run_service(
     log = get_logger()
     server = grpc.aio.server(options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
+    # grpc_health starts with "" SERVING; we only report SERVING once on_started has finished.
+    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     register(server)
     try:

@@ -41,7 +41,8 @@ def render_status(status) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(highlight=False)
+    # Piped output (scripts, logs) gets a wide table instead of rich's 80-column default.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 220)
     layout = {w.worker_id: w for w in status.layout.workers}
     cl = status.cluster
     t = Table(title=f"KunServe cluster - layout epoch {status.layout.epoch}, "

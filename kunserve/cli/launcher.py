@@ -1,7 +1,7 @@
 """The local launcher: every service as a child process on 127.0.0.1, from one cluster config.
 
 `LocalCluster` is also what the integration tests use, so the README's `kunserve up` and the tests
-exercise exactly the same process layout. Children get SIGTERM when the launcher dies (PDEATHSIG),
+exercise exactly the same process layout. Children get SIGTERM when the launcher dies (PDEATHSIG, set by each child),
 so no test or Ctrl-C leaves a stray process behind.
 """
 
@@ -24,13 +24,22 @@ from kunserve.shared.config import ClusterConfig, WorkerSection
 from kunserve.shared.rpc import health_check
 
 PR_SET_PDEATHSIG = 1
+PARENT_PID_ENV = "KUNSERVE_PARENT_PID"  # children ask the kernel for SIGTERM when this process dies
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent_if_asked() -> None:
+    """Called first thing in every service process. Done in the child rather than in a Popen
+    preexec_fn because forking a process with live gRPC threads (the tests have some) can crash the
+    child; without preexec_fn, subprocess uses vfork/posix_spawn."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent:
+        return
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
-        pass
+        return
+    if os.getppid() != int(parent):  # the launcher died before the prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -107,10 +116,11 @@ class LocalCluster:
         env = dict(self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.pop("KUNSERVE_CONFIG", None)  # the written file is the one truth for the children
+        env[PARENT_PID_ENV] = str(os.getpid())
         for c in self._plan():
             fh = open(c.log_path, "ab")
             c.proc = subprocess.Popen(c.argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=env, preexec_fn=_die_with_parent)
+                                      env=env)
             fh.close()
             self.children.append(c)
         try:

@@ -12,6 +12,7 @@ from kunserve.shared.model.tokenizer import load_tokenizer
 from kunserve.v1 import generation_pb2_grpc
 
 ROUTER_POLL_INTERVAL_S = 0.1
+WORKER_WAIT_S = 60.0  # at start-up, wait this long for every worker before reporting SERVING
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> None:
             generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
 
         async def started() -> None:
+            healthy = await pool.wait_for_workers(WORKER_WAIT_S)
+            log.info("workers_reachable", healthy=healthy, configured=len(cfg.workers))
             tasks.append(asyncio.create_task(pool.poll_forever(ROUTER_POLL_INTERVAL_S)))
 
         async def stopping() -> None:

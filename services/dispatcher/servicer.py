@@ -49,14 +49,29 @@ class WorkerPool:
             sent = time.monotonic()
             try:
                 s = await self.stubs[wid].GetStats(common_pb2.Empty(), timeout=timeout)
-            except grpc.aio.AioRpcError:
-                self.mark(wid, False)
+            except grpc.aio.AioRpcError as exc:
+                # A busy worker answering late is not a dead one: keep its last state then.
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self.mark(wid, False)
                 return
             self.router.update(InstanceLoad(wid, s.kv_blocks_total, s.kv_blocks_used, s.queued_demand_blocks,
                                             s.block_size or 16, True, sent))
             self.mark(wid, True)
 
         await asyncio.gather(*(one(w) for w in self.stubs))
+
+    async def wait_for_workers(self, timeout_s: float) -> int:
+        """Poll until every configured worker answers (or the deadline); returns how many are healthy.
+
+        The dispatcher reports SERVING only after this, so "healthy" means it can route to the cluster."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            await self.poll_once(timeout=1.0)
+            healthy = sum(self._healthy.get(w, False) for w in self.stubs)
+            if healthy == len(self.stubs) or loop.time() >= deadline:
+                return healthy
+            await asyncio.sleep(0.1)
 
     def mark(self, wid: str, healthy: bool) -> None:
         if self._healthy.get(wid) != healthy:
@@ -120,7 +135,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             while True:
                 wid = self.pool.router.choose(exclude=tried)
                 if wid is None:
-                    await self.pool.poll_once(timeout=0.5)  # maybe a worker just came (back) up
+                    await self.pool.poll_once(timeout=2.0)  # maybe a worker is just coming (back) up
                     wid = self.pool.router.choose(exclude=tried)
                 if wid is None:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
