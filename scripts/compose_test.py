@@ -422,6 +422,11 @@ def reference_generation() -> dict:
             cluster.start(timeout_s=180)
             return generate_with_retries([BIN / "kunserve", *generate_cmd(cfg.dispatcher.address)],
                                          env, "reference (kunserve up on the host)", within_s=60)
+        except BaseException:
+            for log_path in sorted(pathlib.Path(run_dir).glob("*.log")):
+                tail = log_path.read_text(errors="replace").splitlines()[-15:]
+                log(f"reference: last lines of {log_path.name}:\n" + "\n".join(tail))
+            raise
         finally:
             cluster.stop()
 
