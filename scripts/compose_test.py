@@ -112,6 +112,13 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def _is_zombie(pid: int) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True  # gone
+
+
 def stop_pid(pid: int, name: str, timeout: float = 30.0) -> None:
     """SIGTERM one process we started, SIGKILL it after `timeout`."""
     if not pid_alive(pid):
@@ -120,7 +127,7 @@ def stop_pid(pid: int, name: str, timeout: float = 30.0) -> None:
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not pid_alive(pid) or pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+        if not pid_alive(pid) or _is_zombie(pid):
             return
         time.sleep(0.2)
     log(f"{name} (pid {pid}) ignored SIGTERM for {timeout:.0f}s; SIGKILL")
