@@ -1,15 +1,30 @@
 """Attention over the paged, head-major KV cache.
 
-`TorchPagedAttention` is the CPU path (and a fallback anywhere): new K/V are written into their slots
-with one vectorized index_put per layer; all decoding sequences (one query token each) are handled in
-one batched, masked, grouped-query matmul; prefill chunks (with any prefix already cached) go one
-sequence at a time through SDPA with a causal mask offset by the prefix length.
-`FlashInferPagedAttention` is the CUDA path behind the same interface (lazy import).
+The cache of one layer is `[num_blocks, 2, num_kv_heads, block_size, head_dim]` (FlashInfer's HND
+layout, K then V inside each block). Every backend implements `Attention.forward(q, k, v, cache,
+meta)`: write the new tokens' K/V into their slots, then attend.
+
+`TorchPagedAttention` is the CPU path and a fallback on any device:
+
+- new K/V go into their slots with one vectorized index_put per K and V;
+- all decoding sequences (one query token each) are handled in one batched, masked, grouped-query
+  matmul. Their blocks are gathered with ONE `index_select` over a *permuted view* of the cache
+  (`[2, kv_heads, blocks, block_size, dim]`), whose output is already `[2, kv_heads, B, L, dim]`:
+  no second reshape copy, and no repeat_interleave of K/V for GQA (queries are grouped instead).
+  On this CPU that halves the gather cost versus gathering blocks and then transposing (MEASURED.md:
+  the gather is 20-40% of a decode step);
+- prefill chunks run per sequence through SDPA; a chunk without a cached prefix attends to its own
+  K/V directly (is_causal, no gather), a chunk with a prefix gathers its blocks and uses a causal
+  mask offset by the prefix length.
+
+`FlashInferPagedAttention` is the CUDA path behind the same interface; flashinfer is imported lazily
+and only when constructed on CUDA. It cannot be tested on the CPU CI machines; keep it small.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,141 +32,199 @@ import torch.nn.functional as F
 
 @dataclass
 class PrefillChunk:
+    """One sequence's chunk of query tokens (num_tokens > 1) in the flat token batch."""
+
     row_start: int  # first row of this chunk in the flat token batch
     num_tokens: int
     context_len: int  # tokens in cache after this chunk (prefix + chunk)
-    block_ids: torch.Tensor  # blocks covering context_len, int64
+    block_ids: torch.Tensor  # int64 blocks covering context_len
+    mask: torch.Tensor | None = None  # [n, ctx] True = attend; None when there is no prefix (pure causal)
+
+    @property
+    def prefix_len(self) -> int:
+        return self.context_len - self.num_tokens
 
 
 @dataclass
 class AttentionMetadata:
-    """Where each token's K/V goes and what each sequence attends to, built once per step."""
+    """Where each new token's K/V goes and what each sequence attends to; built once per step and
+    shared by every layer (the per-layer cost is then only tensor work)."""
 
-    slot_blocks: torch.Tensor  # [T] block id of each token
-    slot_offsets: torch.Tensor  # [T] offset inside the block
-    decode_rows: torch.Tensor | None = None  # [B] rows of decoding sequences
-    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with 0
-    decode_context_lens: torch.Tensor | None = None  # [B]
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks*block_size] True = masked
+    slot_blocks: torch.Tensor  # [T] block id of each new token
+    slot_offsets: torch.Tensor  # [T] offset inside its block
+    block_size: int = 16
+    decode_rows: torch.Tensor | None = None  # [B] rows of the decoding sequences (None: no decodes)
+    decode_rows_contiguous: bool = False  # decode rows are 0..B-1 (the engine puts decodes first)
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] int64, padded with block 0
+    decode_context_lens: torch.Tensor | None = None  # [B] int64
+    decode_mask: torch.Tensor | None = None  # [1, B, 1, max_blocks*block_size] True = padding (masked)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    prefill_masks: list[torch.Tensor] = field(default_factory=list)  # per chunk [n, ctx] True = attend
+
+    @property
+    def num_decodes(self) -> int:
+        return 0 if self.decode_rows is None else int(self.decode_rows.shape[0])
 
 
-def build_metadata(slot_blocks: list[int], slot_offsets: list[int], decodes: list[tuple[int, int, list[int]]],
-                   prefills: list[tuple[int, int, int, list[int]]], block_size: int,
+def build_metadata(slot_blocks: Sequence[int], slot_offsets: Sequence[int],
+                   decodes: Sequence[tuple[int, int, Sequence[int]]],
+                   prefills: Sequence[tuple[int, int, int, Sequence[int]]], block_size: int,
                    device: torch.device | str = "cpu") -> AttentionMetadata:
-    """decodes: (row, context_len, block_table); prefills: (row_start, n, context_len, block_table)."""
+    """decodes: (row, context_len, block_ids); prefills: (row_start, num_tokens, context_len, block_ids).
+
+    Everything is converted to tensors here with one `torch.tensor` call per field, so the
+    per-layer attention code runs no Python loop over tokens or blocks."""
     meta = AttentionMetadata(torch.tensor(slot_blocks, dtype=torch.long, device=device),
-                             torch.tensor(slot_offsets, dtype=torch.long, device=device))
+                             torch.tensor(slot_offsets, dtype=torch.long, device=device), block_size)
     if decodes:
-        max_blocks = max(-(-ctx // block_size) for _, ctx, _ in decodes)
-        table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-        for i, (_, ctx, bt) in enumerate(decodes):
-            nb = -(-ctx // block_size)
-            table[i, :nb] = torch.tensor(bt[:nb], dtype=torch.long)
+        nbs = [-(-ctx // block_size) for _, ctx, _ in decodes]
+        max_blocks = max(nbs)
+        rows = [r for r, _, _ in decodes]
+        table = [list(bt[:nb]) + [0] * (max_blocks - nb) for (_, _, bt), nb in zip(decodes, nbs)]
         lens = torch.tensor([ctx for _, ctx, _ in decodes], dtype=torch.long)
-        meta.decode_rows = torch.tensor([r for r, _, _ in decodes], dtype=torch.long, device=device)
-        meta.decode_block_tables = table.to(device)
+        meta.decode_rows = torch.tensor(rows, dtype=torch.long, device=device)
+        meta.decode_rows_contiguous = rows == list(range(len(rows)))
+        meta.decode_block_tables = torch.tensor(table, dtype=torch.long, device=device)
         meta.decode_context_lens = lens.to(device)
         span = torch.arange(max_blocks * block_size)
-        meta.decode_mask = (span[None, :] >= lens[:, None]).view(len(decodes), 1, 1, -1).to(device)
+        meta.decode_mask = (span[None, :] >= lens[:, None]).view(1, len(decodes), 1, -1).to(device)
     for row, n, ctx, bt in prefills:
         nb = -(-ctx // block_size)
-        meta.prefills.append(PrefillChunk(row, n, ctx, torch.tensor(bt[:nb], dtype=torch.long, device=device)))
         prefix = ctx - n
-        q_pos = torch.arange(prefix, ctx)[:, None]
-        k_pos = torch.arange(ctx)[None, :]
-        meta.prefill_masks.append((k_pos <= q_pos).to(device))
+        mask = None
+        if prefix > 0:
+            q_pos = torch.arange(prefix, ctx)[:, None]
+            k_pos = torch.arange(ctx)[None, :]
+            mask = (k_pos <= q_pos).to(device)
+        meta.prefills.append(PrefillChunk(row, n, ctx, torch.tensor(list(bt[:nb]), dtype=torch.long, device=device),
+                                          mask))
     return meta
 
 
+class Attention(Protocol):
+    """A paged-attention backend. q [T, H, d], k/v [T, KVH, d] are the new tokens of one step
+    (rows as described by meta); cache is one layer's `[num_blocks, 2, KVH, block_size, d]` tensor.
+    Returns the attention output [T, H, d]."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor: ...
+
+
 class TorchPagedAttention:
-    """Reference-quality paged attention in plain torch (CPU, or any device as a fallback)."""
+    """Paged attention in plain torch (CPU, or any device as a fallback)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
 
-    def write_kv(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        # cache[b, 0, :, o, :] for each token: advanced indices separated by a slice put T first.
+    @staticmethod
+    def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Store the new tokens' K/V at (block, offset): cache[b, 0, :, o, :] = k[t] for every token t.
+        Two advanced indices separated by a slice put the token dimension first, matching k [T, KVH, d]."""
         cache[meta.slot_blocks, 0, :, meta.slot_offsets, :] = k
         cache[meta.slot_blocks, 1, :, meta.slot_offsets, :] = v
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H, d], k/v [T, KVH, d] for the new tokens; returns [T, H, d]."""
         self.write_kv(cache, k, v, meta)
+        if not meta.prefills and meta.decode_rows_contiguous:
+            return self._decode(q, cache, meta)  # pure decode step: no scatter of rows
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], cache, meta)
-        for chunk, mask in zip(meta.prefills, meta.prefill_masks):
+            if meta.decode_rows_contiguous:
+                out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], cache, meta)
+            else:
+                out[meta.decode_rows] = self._decode(q[meta.decode_rows], cache, meta)
+        for chunk in meta.prefills:
             rows = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
-            out[rows] = self._prefill(q[rows], cache, chunk, mask)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], cache, chunk)
         return out
 
     @staticmethod
-    def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the given blocks as [..., KVH, nb*bs, d]: one index_select (a memcpy per block)
-        instead of advanced indexing, which is several times slower on CPU."""
-        lead = block_ids.shape  # (..., nb)
-        x = torch.index_select(cache, 0, block_ids.reshape(-1))  # [n, 2, KVH, bs, d]
-        x = x.view(*lead, *x.shape[1:]).movedim(len(lead) - 1, -3)  # [..., 2, KVH, nb, bs, d]
-        x = x.reshape(*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1])  # [..., 2, KVH, nb*bs, d]
-        return x.select(-4, 0), x.select(-4, 1)
+    def gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """K and V of the given blocks as `[2, KVH, *block_ids.shape[:-1], nb*block_size, d]`, in one copy:
+        index_select along the block axis of the permuted view [2, KVH, blocks, bs, d] produces the
+        head-major, token-contiguous layout the matmuls want directly."""
+        two, kvh, bs, d = cache.shape[1], cache.shape[2], cache.shape[3], cache.shape[4]
+        x = torch.index_select(cache.permute(1, 2, 0, 3, 4), 2, block_ids.reshape(-1))  # [2, KVH, n, bs, d]
+        lead = block_ids.shape[:-1]
+        return x.view(two, kvh, *lead, block_ids.shape[-1] * bs, d)
 
     def _decode(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         B = q.shape[0]
-        keys, values = self._gather_kv(cache, meta.decode_block_tables)  # [B, KVH, L, d]
-        qg = q.view(B, self.num_kv_heads, self.group, self.head_dim)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [B, KVH, G, L]
+        kv = self.gather(cache, meta.decode_block_tables)  # [2, KVH, B, L, d]
+        keys, values = kv[0], kv[1]
+        # queries grouped per KV head: [KVH, B, G, d]; GQA without copying K/V per query head
+        qg = (q * self.scale).view(B, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
+        scores = torch.matmul(qg, keys.transpose(-1, -2))  # [KVH, B, G, L]
+        if scores.dtype != torch.float32:
+            scores = scores.float()  # softmax in float32 (bf16/fp16 caches)
         scores.masked_fill_(meta.decode_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).view(B, self.num_heads, self.head_dim)
+        out = torch.matmul(probs, values)  # [KVH, B, G, d]
+        return out.transpose(0, 1).reshape(B, self.num_heads, self.head_dim)
 
-    def _prefill(self, q: torch.Tensor, cache: torch.Tensor, chunk: PrefillChunk, mask: torch.Tensor) -> torch.Tensor:
-        n, ctx = chunk.num_tokens, chunk.context_len
-        keys, values = self._gather_kv(cache, chunk.block_ids)  # [KVH, nb*bs, d]
-        keys, values = keys[:, :ctx], values[:, :ctx]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                           attn_mask=mask, scale=self.scale, enable_gqa=self.group > 1)
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                 chunk: PrefillChunk) -> torch.Tensor:
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+        if chunk.prefix_len == 0:
+            # no cached prefix: the chunk's own K/V are the whole context
+            keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.group > 1)
+        else:
+            kv = self.gather(cache, chunk.block_ids)[:, :, : chunk.context_len]  # [2, KVH, ctx, d]
+            o = F.scaled_dot_product_attention(qh, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=chunk.mask,
+                                               scale=self.scale, enable_gqa=self.group > 1)
         return o.squeeze(0).transpose(0, 1)
 
 
 class FlashInferPagedAttention(TorchPagedAttention):  # pragma: no cover - needs a GPU and flashinfer
-    """CUDA path: FlashInfer's paged kernels over the same HND cache. Only constructed on CUDA; the
-    flashinfer import is lazy so CPU installs never need it. Decode goes through
-    BatchDecodeWithPagedKVCacheWrapper; prefill chunks keep the torch path until the prefill wrapper is
-    wired (correct, slower)."""
+    """CUDA path (UNTESTED on CPU CI): FlashInfer's paged decode kernel over the same HND cache.
+
+    Only constructed on CUDA; the flashinfer import is lazy so CPU installs never need it. Decode goes
+    through BatchDecodeWithPagedKVCacheWrapper (planned once per step, cached across layers via the
+    metadata object); prefill chunks keep the torch path (SDPA on CUDA is fast) until the ragged
+    prefill wrapper is wired."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
         import flashinfer  # noqa: PLC0415 - optional GPU dependency
 
-        self._fi = flashinfer
         self._workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
         self._decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "HND")
+        self._planned_for: AttentionMetadata | None = None  # the step's metadata the wrapper is planned for
 
-    def _decode(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _plan(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> None:
         bs = cache.shape[3]
         lens = meta.decode_context_lens
         nblocks = (lens + bs - 1) // bs
         indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device=q.device)
         indptr[1:] = torch.cumsum(nblocks, 0)
-        indices = torch.cat([meta.decode_block_tables[i, : int(nb)] for i, nb in enumerate(nblocks.tolist())]).int()
+        width = meta.decode_block_tables.shape[1]
+        valid = torch.arange(width, device=q.device)[None, :] < nblocks[:, None]
+        indices = meta.decode_block_tables[valid].int()  # row-major: each sequence's blocks in order
         last = (lens - (nblocks - 1) * bs).int()
         self._decode_wrapper.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, bs,
                                   pos_encoding_mode="NONE", q_data_type=q.dtype, kv_data_type=cache.dtype)
+        self._planned_for = meta
+
+    def _decode(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self._planned_for is not meta:
+            self._plan(q, cache, meta)
         return self._decode_wrapper.run(q.contiguous(), cache)
 
 
-def make_attention(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str) -> TorchPagedAttention:
+def make_attention(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str) -> Attention:
+    """FlashInfer on CUDA when installed, else the torch implementation (which works on CUDA too)."""
     device = torch.device(device)
     if device.type == "cuda":
         try:
             return FlashInferPagedAttention(num_heads, num_kv_heads, head_dim, device)
         except ImportError:
-            pass  # flashinfer not installed: the torch path works on CUDA too
+            pass
     return TorchPagedAttention(num_heads, num_kv_heads, head_dim)

@@ -1,6 +1,12 @@
 """The single-instance engine: scheduler + model runner + sampler over a paged KV cache.
 
-Not thread-safe by itself; `EngineLoop` runs it on a dedicated thread and feeds it commands.
+`step()` is one iteration: the scheduler picks decodes and prompt chunks and reserves their KV
+blocks, the runner computes one flat token batch (decodes first, then chunks), the sampler picks a
+token for every sequence whose KV is complete. Not thread-safe by itself; `EngineLoop` runs it on a
+dedicated thread and feeds it commands between iterations.
+
+The runner already handles any layer range; this class drives the whole model (one instance). A
+pipeline head would split `_forward` at the runner boundary and ship hidden states between stages.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import torch
 
 from kunserve.shared.engine.api import EngineRequest, EngineStats, FinishReason, InvalidRequest, TokenEvent
 from kunserve.shared.engine.attention import build_metadata
-from kunserve.shared.engine.kv_cache import BlockAllocator, KVStorage, TorchKVStorage
+from kunserve.shared.engine.kv_cache import BlockAllocator, BlockTable, KVStorage, TorchKVStorage
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.sampler import sample
 from kunserve.shared.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence, TokenBudget
@@ -23,10 +29,19 @@ __all__ = ["Engine", "SchedulerConfig"]
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, weights: Weights, *, num_kv_blocks: int, block_size: int = 16,
-                 device: str = "cpu", layer_range: tuple[int, int] | None = None,
-                 scheduler_config: SchedulerConfig = SchedulerConfig(), budget: TokenBudget | None = None,
+    """One model instance: add requests, call step() until has_work() is False.
+
+    num_kv_blocks sizes the default torch-allocated cache; with `kv_storage` (the memory pool's
+    layout) the storage's own num_blocks wins and `sync_kv_capacity()` follows later changes."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, *, num_kv_blocks: int = 0, block_size: int = 16,
+                 device: str | torch.device = "cpu", layer_range: tuple[int, int] | None = None,
+                 scheduler_config: SchedulerConfig | None = None, budget: TokenBudget | None = None,
                  kv_storage: KVStorage | None = None) -> None:
+        if kv_storage is None and num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be > 0, got {num_kv_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
         self.cfg = cfg
         self.block_size = block_size
         self.device = torch.device(device)
@@ -35,6 +50,12 @@ class Engine:
             raise ValueError("a single-instance engine needs the whole model; pipeline stages come with groups")
         self.kv = kv_storage or TorchKVStorage(range(self.runner.start, self.runner.end), num_kv_blocks,
                                                cfg.num_kv_heads, block_size, cfg.head_dim, cfg.torch_dtype, self.device)
+        cache = self.kv.layer_cache(self.runner.start)
+        want = (2, cfg.num_kv_heads, block_size, cfg.head_dim)
+        if tuple(cache.shape[1:]) != want:
+            raise ValueError(f"KV storage blocks are {tuple(cache.shape[1:])}, this model needs {want} "
+                             "([K/V, kv_heads, block_size, head_dim])")
+        del cache  # never hold KV tensors across steps: the pool may remap them
         self.allocator = BlockAllocator(self.kv.num_blocks)
         self.scheduler = Scheduler(self.allocator, block_size, scheduler_config, budget)
         self.seqs: dict[str, Sequence] = {}
@@ -43,6 +64,7 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
+        """Raise InvalidRequest (naming the field) for anything this engine could never serve."""
         request.validate(self.cfg.vocab_size, self.cfg.max_position_embeddings)
         self.scheduler.check_fits(request)
 
@@ -54,7 +76,7 @@ class Engine:
         if not request.sampling.greedy:
             seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
             gen = torch.Generator().manual_seed(seed)
-        seq = Sequence(request, list(request.prompt_token_ids), generator=gen)
+        seq = Sequence(request, list(request.prompt_token_ids), BlockTable(self.block_size), generator=gen)
         self.seqs[request.request_id] = seq
         self.scheduler.add(seq)
 
@@ -70,50 +92,55 @@ class Engine:
 
     # -- one iteration ----------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        """One iteration; returns the tokens it produced (finished requests have left already)."""
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
         logits, sampled = self._forward(chunks)
-        events: list[TokenEvent] = []
         for chunk in chunks:
             seq = chunk.seq
-            if seq.num_computed == 0 and seq.num_preemptions == 0:
+            if chunk.start == 0 and seq.num_preemptions == 0:
                 self.prompt_tokens_total += len(seq.request.prompt_token_ids)
-            seq.num_computed += chunk.num_tokens
-        if sampled:
-            params = [c.seq.request.sampling for c in sampled]
-            tokens = sample(logits, params, [c.seq.generator for c in sampled])
-            for chunk, tok in zip(sampled, tokens):
-                events.append(self._append(chunk.seq, tok))
-        return events
+            seq.num_computed = chunk.start + chunk.num_tokens
+        if not sampled:
+            return []
+        tokens = sample(logits, [c.seq.request.sampling for c in sampled], [c.seq.generator for c in sampled])
+        return [self._append(chunk.seq, tok) for chunk, tok in zip(sampled, tokens)]
 
-    def _forward(self, chunks: list[ScheduledChunk]):
+    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """Run the flat token batch of this step; logits [len(sampled), vocab] for the completing chunks."""
         bs = self.block_size
-        ids, positions, slot_b, slot_o = [], [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_b: list[int] = []
+        slot_o: list[int] = []
         decodes, prefills, logit_rows, sampled = [], [], [], []
         row = 0
         for c in chunks:
-            s = c.seq
-            start, n = s.num_computed, c.num_tokens
-            pos = range(start, start + n)
-            ids.extend(s.tokens[start:start + n])
-            positions.extend(pos)
-            slot_b.extend(s.block_table[p // bs] for p in pos)
-            slot_o.extend(p % bs for p in pos)
-            ctx = start + n
+            s, start, n = c.seq, c.start, c.num_tokens
+            table = s.block_table.ids
             if n == 1:
-                decodes.append((row, ctx, s.block_table))
+                ids.append(s.tokens[start])
+                positions.append(start)
+                slot_b.append(table[start // bs])
+                slot_o.append(start % bs)
+                decodes.append((row, start + 1, table))
             else:
-                prefills.append((row, n, ctx, s.block_table))
+                ids.extend(s.tokens[start:start + n])
+                positions.extend(range(start, start + n))
+                b, o = s.block_table.slots(start, n)
+                slot_b.extend(b)
+                slot_o.extend(o)
+                prefills.append((row, n, start + n, table))
             if c.completes:
                 logit_rows.append(row + n - 1)
                 sampled.append(c)
             row += n
         dev = self.device
         meta = build_metadata(slot_b, slot_o, decodes, prefills, bs, dev)
+        rows = None if len(logit_rows) == row else torch.tensor(logit_rows, dtype=torch.long, device=dev)
         logits = self.runner.forward(torch.tensor(ids, dtype=torch.long, device=dev),
-                                     torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta,
-                                     torch.tensor(logit_rows, dtype=torch.long, device=dev))
+                                     torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta, rows)
         return logits.cpu(), sampled
 
     def _append(self, seq: Sequence, token: int) -> TokenEvent:
@@ -132,6 +159,26 @@ class Engine:
             self.seqs.pop(seq.request_id, None)
             self.scheduler.remove(seq)
         return TokenEvent(seq.request_id, token, len(seq.generated) - 1, reason)
+
+    # -- KV capacity changes (memory pool drop / restore) ----------------------------------------------
+    def sync_kv_capacity(self) -> int:
+        """Follow kv_storage.num_blocks after the pool remapped pages: grow the allocator at the tail, or
+        shrink it when the tail blocks are free (else BlockAllocatorError: compact first). Returns the
+        new block count. Call between steps."""
+        new = self.kv.num_blocks
+        old = self.allocator.num_blocks
+        if new > old:
+            self.allocator.grow(new - old)
+        elif new < old:
+            self.allocator.shrink_to(new)
+        return new
+
+    def apply_compaction(self, mapping: dict[int, int]) -> None:
+        """After the KV bytes of blocks were moved (old id -> new id), rewrite the bookkeeping: the
+        allocator's free set and every sequence's block table."""
+        self.allocator.remap(mapping)
+        for seq in self.seqs.values():
+            seq.block_table.remap(mapping)
 
     # -- observation ------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -15,6 +15,10 @@ import torch
 
 
 class KVStorage(Protocol):
+    """Where the KV tensors live. `num_blocks` may change at runtime (a drop maps pages at the tail of
+    every layer's range, a restore takes them back), so callers must re-read it and re-fetch
+    `layer_cache(layer)` after any remap instead of holding tensors across one."""
+
     @property
     def num_blocks(self) -> int: ...
 
@@ -39,7 +43,7 @@ class TorchKVStorage:
 
 
 class BlockAllocatorError(RuntimeError):
-    pass
+    """Misuse of the allocator (double free, foreign id, over-allocation): a bookkeeping bug upstream."""
 
 
 class BlockAllocator:
@@ -60,6 +64,9 @@ class BlockAllocator:
         return self.num_blocks - len(self._free)
 
     def allocate(self, n: int) -> list[int]:
+        """n block ids, lowest first."""
+        if n < 0:
+            raise BlockAllocatorError(f"cannot allocate {n} blocks")
         if n > len(self._free):
             raise BlockAllocatorError(f"need {n} blocks, {len(self._free)} free")
         out = [heapq.heappop(self._free) for _ in range(n)]
@@ -67,11 +74,16 @@ class BlockAllocator:
         return out
 
     def free(self, ids: Iterable[int]) -> None:
+        """Return blocks. All ids are checked before any is freed, so a bad call changes nothing."""
+        ids = list(ids)
+        seen: set[int] = set()
         for i in ids:
             if not (0 <= i < self.num_blocks):
                 raise BlockAllocatorError(f"block {i} does not belong to this allocator (0..{self.num_blocks - 1})")
-            if i in self._free_set:
+            if i in self._free_set or i in seen:
                 raise BlockAllocatorError(f"block {i} freed twice")
+            seen.add(i)
+        for i in ids:
             self._free_set.add(i)
             heapq.heappush(self._free, i)
 
@@ -84,6 +96,10 @@ class BlockAllocator:
             self._free_set.add(i)
             heapq.heappush(self._free, i)
         self.num_blocks += n
+
+    def can_shrink(self, n: int) -> bool:
+        """Whether the last n blocks are all free, i.e. a restore may take them back without compaction."""
+        return 0 <= n <= self.num_blocks and self.can_shrink_to(self.num_blocks - n)
 
     def can_shrink_to(self, new_num_blocks: int) -> bool:
         return all(i in self._free_set for i in range(new_num_blocks, self.num_blocks))
@@ -107,4 +123,52 @@ class BlockAllocator:
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold num_tokens tokens (ceil division)."""
     return -(-num_tokens // block_size)
+
+
+class BlockTable:
+    """One request's blocks in order: token at position p lives in block ids[p // block_size] at
+    offset p % block_size. Plain ints (the scheduler edits it every step); the engine turns the tables
+    of one step into tensors once."""
+
+    __slots__ = ("block_size", "ids")
+
+    def __init__(self, block_size: int, ids: Iterable[int] = ()) -> None:
+        self.block_size = block_size
+        self.ids: list[int] = list(ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __bool__(self) -> bool:
+        return bool(self.ids)
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the current blocks can hold."""
+        return len(self.ids) * self.block_size
+
+    def extra_blocks_for(self, num_tokens: int) -> int:
+        """Blocks to add so the table holds num_tokens tokens in all (0 when it already does)."""
+        return max(0, blocks_needed(num_tokens, self.block_size) - len(self.ids))
+
+    def extend(self, ids: Iterable[int]) -> None:
+        self.ids.extend(ids)
+
+    def slots(self, start: int, n: int) -> tuple[list[int], list[int]]:
+        """(block ids, offsets) of positions start .. start+n-1."""
+        bs, ids = self.block_size, self.ids
+        return [ids[p // bs] for p in range(start, start + n)], [p % bs for p in range(start, start + n)]
+
+    def clear(self) -> list[int]:
+        """Forget every block and return them (for the allocator to free)."""
+        out, self.ids = self.ids, []
+        return out
+
+    def remap(self, mapping: dict[int, int]) -> None:
+        """Apply a compaction (old id -> new id) after the KV bytes were moved."""
+        self.ids = [mapping.get(i, i) for i in self.ids]

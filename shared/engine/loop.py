@@ -1,9 +1,10 @@
-"""Runs an Engine on a dedicated thread so the asyncio side (RPCs, stats, transfers) stays responsive
-while a batch computes (torch releases the GIL inside ops).
+"""Runs an Engine on a dedicated daemon thread so the asyncio side (RPCs, stats, transfers) stays
+responsive while a batch computes (torch releases the GIL inside ops).
 
-Submissions and aborts are commands applied between iterations; validation happens synchronously in
-the caller's thread so bad input is rejected at once. Events are delivered through per-request
-callbacks on the engine thread (the worker hops them onto its event loop).
+Submissions and aborts are commands applied between iterations, so the engine itself needs no lock;
+validation happens synchronously in the caller's thread so bad input is rejected at once. Events are
+delivered through per-request callbacks *on the engine thread* (the worker hops them onto its event
+loop with loop.call_soon_threadsafe). The thread sleeps on a condition variable when idle: no spin.
 """
 
 from __future__ import annotations
@@ -21,25 +22,33 @@ from kunserve.shared.log import get_logger
 EventCallback = Callable[[TokenEvent], None]
 
 
+class EngineStopped(RuntimeError):
+    """submit() after stop() or after the engine thread died; the worker answers UNAVAILABLE."""
+
+
 class EngineLoop:
+    """Thread-safe front of one Engine: submit / abort / stats from any thread."""
+
     def __init__(self, engine: Engine, num_threads: int = 1) -> None:
         self.engine = engine
-        self.num_threads = num_threads
+        self.num_threads = max(1, int(num_threads))
         self._cv = threading.Condition()
-        self._commands: collections.deque = collections.deque()
+        self._commands: collections.deque[tuple[str, object]] = collections.deque()
         self._callbacks: dict[str, EventCallback] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # what killed the engine thread, if anything
         self.log = get_logger()
 
     # -- called from any thread --------------------------------------------------------------------------
     def submit(self, request: EngineRequest, on_event: EventCallback) -> None:
-        self.engine.validate(request)  # pure checks against config and capacity
+        """Queue a request. Raises InvalidRequest (naming the field) at once for bad input, EngineStopped
+        when the loop no longer runs. on_event gets every TokenEvent; the last one has finished=True."""
+        self.engine.validate(request)  # pure checks against the config and the KV capacity
         with self._cv:
             if self._stop:
-                raise RuntimeError("engine is stopping")
+                raise EngineStopped("engine is stopped" if self.error is None else f"engine failed: {self.error!r}")
             if request.request_id in self._callbacks:
                 raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
             self._callbacks[request.request_id] = on_event
@@ -47,7 +56,8 @@ class EngineLoop:
             self._cv.notify()
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its KV blocks; its callback receives a final ABORTED event."""
+        """Stop a request and free its KV blocks (before the next iteration); its callback receives a final
+        ABORTED event with token_id -1. False when the request is unknown or already finished."""
         with self._cv:
             if request_id not in self._callbacks:
                 return False
@@ -56,26 +66,35 @@ class EngineLoop:
             return True
 
     def stats(self) -> EngineStats:
+        """The snapshot taken after the latest iteration (never blocks on a running step)."""
         return self._stats
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> None:
-        torch.set_num_threads(self.num_threads)
+        if self._thread is not None:
+            raise RuntimeError("EngineLoop.start() called twice")
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Abort everything (each open request gets an ABORTED event) and end the thread. Returns whether
+        the thread exited within timeout (a step in progress is finished first)."""
         with self._cv:
             self._stop = True
             self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is None:
+            self._abort_all()  # never started: still answer every submitted request
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # -- the engine thread -----------------------------------------------------------------------------------
     def _emit(self, ev: TokenEvent) -> None:
-        cb = self._callbacks.get(ev.request_id)
-        if ev.finished:
-            with self._cv:
-                self._callbacks.pop(ev.request_id, None)
+        with self._cv:
+            cb = self._callbacks.pop(ev.request_id, None) if ev.finished else self._callbacks.get(ev.request_id)
         if cb is not None:
             try:
                 cb(ev)
@@ -89,17 +108,35 @@ class EngineLoop:
                     return
                 kind, arg = self._commands.popleft()
             if kind == "add":
+                assert isinstance(arg, EngineRequest)
                 try:
                     self.engine.add_request(arg)
-                except InvalidRequest:  # capacity changed since submit; report it as an abort
+                except InvalidRequest:  # capacity shrank since submit: report it as an abort
                     self._emit(TokenEvent(arg.request_id, -1, 0, FinishReason.ABORTED))
             elif kind == "abort":
+                assert isinstance(arg, str)
                 seq = self.engine.seqs.get(arg)
-                if self.engine.abort(arg):
+                if seq is not None and self.engine.abort(arg):
                     self._emit(TokenEvent(arg, -1, len(seq.generated), FinishReason.ABORTED))
 
+    def _abort_all(self) -> None:
+        """Every request still known gets a final ABORTED event; queued commands are dropped."""
+        for rid in list(self.engine.seqs):
+            seq = self.engine.seqs[rid]
+            self.engine.abort(rid)
+            self._emit(TokenEvent(rid, -1, len(seq.generated), FinishReason.ABORTED))
+        with self._cv:
+            pending = [arg for kind, arg in self._commands if kind == "add"]
+            self._commands.clear()
+            orphans = [rid for rid in self._callbacks if rid not in {r.request_id for r in pending}]
+        for req in pending:
+            self._emit(TokenEvent(req.request_id, -1, 0, FinishReason.ABORTED))
+        for rid in orphans:  # e.g. an add that raced with a crash
+            self._emit(TokenEvent(rid, -1, 0, FinishReason.ABORTED))
+        self._stats = self.engine.stats()
+
     def _run(self) -> None:
-        torch.set_num_threads(self.num_threads)
+        torch.set_num_threads(self.num_threads)  # this worker's share of the cores (oversubscription is slow)
         try:
             while True:
                 with self._cv:
@@ -114,14 +151,7 @@ class EngineLoop:
         except BaseException as exc:  # surface it: every waiting stream gets an ABORTED event below
             self.error = exc
             self.log.exception("engine_crashed")
-        finally:
-            for rid in list(self.engine.seqs):
-                seq = self.engine.seqs[rid]
-                self.engine.abort(rid)
-                self._emit(TokenEvent(rid, -1, len(seq.generated), FinishReason.ABORTED))
             with self._cv:
-                pending = [arg for kind, arg in self._commands if kind == "add"]
-                self._commands.clear()
-            for req in pending:
-                self._emit(TokenEvent(req.request_id, -1, 0, FinishReason.ABORTED))
-            self._stats = self.engine.stats()
+                self._stop = True
+        finally:
+            self._abort_all()

@@ -10,19 +10,61 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kunserve.shared.engine.attention import AttentionMetadata, TorchPagedAttention, make_attention
+from kunserve.shared.engine.attention import Attention, AttentionMetadata, make_attention
 from kunserve.shared.engine.kv_cache import KVStorage
 from kunserve.shared.model.config import ModelConfig
 from kunserve.shared.model.weights import Weights
 
 
+# oneDNN with pre-packed weights beats MKL's sgemm for small row counts on CPU: sgemm re-packs the
+# weight matrix on every call, which dominates a decode step (weights do not fit in cache). Measured
+# on the 2-core VM, float32, the tiny model's matrices: rows 2..128 -20..-45% time; 1 row (GEMV) and
+# >= 192 rows (prefill) are faster unpacked. So both forms are kept (CPU float32 only).
+PACKED_ROWS = (2, 128)
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class _Linear:
+    """y = x W^T + b, through a oneDNN pre-packed weight when that is faster for this many rows."""
+
+    __slots__ = ("w", "b", "packed")
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, pack: bool) -> None:
+        self.w = w.contiguous()
+        self.b = b
+        self.packed = None
+        if pack:
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w, 16)
+            except RuntimeError:  # CPU without the needed ISA: plain sgemm
+                self.packed = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and PACKED_ROWS[0] <= x.shape[0] <= PACKED_ROWS[1]:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
+        return F.linear(x, self.w, self.b)
+
+
 class _Layer:
-    __slots__ = ("qkv_w", "qkv_b", "o_w", "gate_up_w", "down_w", "ln1", "ln2")
+    """One decoder layer's weights, with q/k/v and gate/up fused into single matrices."""
+
+    __slots__ = ("qkv", "o", "gate_up", "down", "ln1", "ln2")
 
 
 class ModelRunner:
+    """Forward pass of layers [start, end) over the paged KV cache.
+
+    Which end the range touches decides the input and output: the first stage embeds token ids, a
+    later stage takes the previous stage's hidden states; the last stage returns float32 logits for
+    `logits_rows` only (the last token of each chunk that needs sampling), other stages return the
+    hidden states of every token (the activations a pipeline ships to the next stage)."""
+
     def __init__(self, cfg: ModelConfig, weights: Weights, layer_range: tuple[int, int] | None = None,
-                 device: str | torch.device = "cpu", attention: TorchPagedAttention | None = None) -> None:
+                 device: str | torch.device = "cpu", attention: Attention | None = None,
+                 pack_weights: bool | None = None) -> None:
         self.cfg = cfg
         self.start, self.end = layer_range or (0, cfg.num_layers)
         if not (0 <= self.start < self.end <= cfg.num_layers):
@@ -31,6 +73,9 @@ class ModelRunner:
         self.dtype = cfg.torch_dtype
         self.is_first = self.start == 0
         self.is_last = self.end == cfg.num_layers
+        if pack_weights is None:  # default: CPU float32 with oneDNN (doubles the weights' memory)
+            pack_weights = self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_available()
+        self.pack_weights = pack_weights
         self.attention = attention or make_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.device)
         self.load(weights)
         self._rope_cache(cfg.max_position_embeddings)
@@ -38,6 +83,7 @@ class ModelRunner:
     def load(self, weights: Weights) -> None:
         """(Re)bind weights; called again after a restore hands back new tensors."""
         dev, dt = self.device, self.dtype
+        pack = self.pack_weights
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=dev, dtype=dt)
@@ -46,20 +92,21 @@ class ModelRunner:
         for i in range(self.start, self.end):
             p = f"model.layers.{i}."
             L = _Layer()
-            L.qkv_w = torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                                 w(p + "self_attn.v_proj.weight")], 0).contiguous()
-            L.qkv_b = (torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
-                                  w(p + "self_attn.v_proj.bias")]) if self.cfg.qkv_bias else None)
-            L.o_w = w(p + "self_attn.o_proj.weight")
-            L.gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0).contiguous()
-            L.down_w = w(p + "mlp.down_proj.weight")
+            qkv_b = (torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
+                                w(p + "self_attn.v_proj.bias")]) if self.cfg.qkv_bias else None)
+            L.qkv = _Linear(torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                                       w(p + "self_attn.v_proj.weight")], 0), qkv_b, pack)
+            L.o = _Linear(w(p + "self_attn.o_proj.weight"), None, pack)
+            L.gate_up = _Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0), None, pack)
+            L.down = _Linear(w(p + "mlp.down_proj.weight"), None, pack)
             L.ln1 = w(p + "input_layernorm.weight")
             L.ln2 = w(p + "post_attention_layernorm.weight")
             self.layers[i] = L
         self.embed = w("model.embed_tokens.weight") if self.is_first else None
         if self.is_last:
             self.norm = w("model.norm.weight")
-            self.lm_head = w("model.embed_tokens.weight") if self.cfg.tie_word_embeddings else w("lm_head.weight")
+            head = w("model.embed_tokens.weight") if self.cfg.tie_word_embeddings else w("lm_head.weight")
+            self.lm_head = _Linear(head, None, pack)
 
     def _rope_cache(self, max_pos: int) -> None:
         d = self.cfg.head_dim
@@ -70,7 +117,9 @@ class ModelRunner:
         self.sin = emb.sin().to(self.device, self.dtype)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)  # one fused op on CPU
+        xf = x.float()  # half precision: normalize in float32 like HF does
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)).to(x.dtype) * w
 
     @staticmethod
@@ -89,22 +138,24 @@ class ModelRunner:
         x = F.embedding(inputs, self.embed) if self.is_first else inputs.to(self.dtype)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        nh, nkvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        nq, nkv = nh * hd, nkvh * hd
         for i in range(self.start, self.end):
             L = self.layers[i]
             h = self._rms(x, L.ln1)
-            qkv = F.linear(h, L.qkv_w, L.qkv_b)
-            q = self._rotate(qkv[:, :nq].view(T, cfg.num_heads, hd), cos, sin)
-            k = self._rotate(qkv[:, nq:nq + nkv].view(T, cfg.num_kv_heads, hd), cos, sin)
-            v = qkv[:, nq + nkv:].view(T, cfg.num_kv_heads, hd)
+            qkv = L.qkv(h)
+            # rotate q and k heads in one go: [T, H + KVH, d]
+            qk = self._rotate(qkv[:, : nq + nkv].view(T, nh + nkvh, hd), cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]
+            v = qkv[:, nq + nkv:].view(T, nkvh, hd)
             o = self.attention.forward(q, k, v, kv.layer_cache(i), meta)
-            x = x + F.linear(o.reshape(T, nq), L.o_w)
+            x = x + L.o(o.reshape(T, nq))
             h = self._rms(x, L.ln2)
-            gu = F.linear(h, L.gate_up_w)
+            gu = L.gate_up(h)
             inter = gu.shape[-1] // 2
-            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], L.down_w)
+            x = x + L.down(F.silu(gu[:, :inter]) * gu[:, inter:])
         if not self.is_last:
             return x
         if logits_rows is not None:
             x = x[logits_rows]
-        return F.linear(self._rms(x, self.norm), self.lm_head).float()
+        return self.lm_head(self._rms(x, self.norm)).float()

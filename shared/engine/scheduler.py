@@ -1,44 +1,68 @@
-"""Continuous batching with chunked prefill under a per-iteration token budget: a pure policy.
+"""Continuous batching with chunked prefill under a per-iteration token budget: a pure policy (no I/O,
+no torch), so the worker, the unit tests and the simulator run the same code.
 
-One rule covers prefill and decode: every sequence has tokens whose KV is not yet computed (a whole
-prompt, the rest of a chunked prompt, or the one token sampled last step); each iteration gives
-running decodes their token first, then prompt chunks in arrival order, as far as the budget, the
-sequence limit and free KV blocks allow. When decodes run out of blocks the most recently arrived
-running request is preempted by recompute (vLLM's default): its blocks are freed and it re-prefills
-prompt + generated tokens later, which yields the same greedy continuation. Nothing is dropped.
+One rule covers prefill and decode: every sequence has tokens whose KV is not computed yet (a whole
+prompt, the rest of a chunked prompt, or the one token sampled last step). Each iteration:
+
+1. running decodes first, one token each, oldest first (TBT matters most for them);
+2. then prompt chunks FCFS: partially prefilled running sequences, then waiting ones; a chunk is
+   min(remaining tokens, budget left, max_prefill_chunk, what free KV blocks hold).
+
+When blocks run out for a running sequence, the most recently arrived running request is preempted
+by recompute (vLLM's default): its blocks are freed and it goes back to the waiting queue in arrival
+order (ahead of every later arrival) with its generated tokens appended to the tokens to re-prefill.
+Re-prefilling prompt + generated gives the same greedy continuation. Nothing is ever dropped.
+
+The budget is pluggable (`TokenBudget`): the fixed `max_num_batched_tokens` now, an SLO-aware
+latency model (ConServe's k1..k5 fit) later.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import torch
+from typing import Any, Protocol
 
 from kunserve.shared.engine.api import EngineRequest, InvalidRequest
-from kunserve.shared.engine.kv_cache import BlockAllocator, blocks_needed
+from kunserve.shared.engine.kv_cache import BlockAllocator, BlockTable, blocks_needed
 
 
 class TokenBudget(Protocol):
-    """How many tokens one iteration may run (a later SLO-aware latency model plugs in here)."""
+    """How many tokens one iteration may run, given what is already committed to it.
 
-    def max_tokens_for(self, num_decodes: int) -> int: ...
+    num_decodes: decoding sequences this step (each costs one token);
+    decode_context_tokens: their total context length (attention cost grows with it);
+    A latency-model budget answers the largest token count whose predicted iteration time stays
+    under the TBT SLO; the fixed budget ignores both."""
+
+    def max_tokens_for(self, num_decodes: int, *, decode_context_tokens: int = 0) -> int: ...
 
 
 @dataclass(frozen=True)
 class FixedTokenBudget:
-    max_num_batched_tokens: int = 256
+    """vLLM's max_num_batched_tokens: the same cap every iteration."""
 
-    def max_tokens_for(self, num_decodes: int) -> int:
+    max_num_batched_tokens: int = 512
+
+    def max_tokens_for(self, num_decodes: int, *, decode_context_tokens: int = 0) -> int:
         return self.max_num_batched_tokens
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 256
+    max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_prefill_chunk: int = 0  # 0 = no cap beyond the budget
+    # Admit a new request only while this fraction of blocks stays free after its chunk, so decodes
+    # of running requests do not immediately preempt it (vLLM's watermark). Ignored when idle.
+    admission_watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_prefill_chunk < 0:
+            raise ValueError(f"max_prefill_chunk must be >= 0, got {self.max_prefill_chunk}")
 
 
 _arrival_counter = itertools.count()
@@ -46,13 +70,15 @@ _arrival_counter = itertools.count()
 
 @dataclass(eq=False)
 class Sequence:
+    """A request's state inside the engine. KV exists for tokens[:num_computed]."""
+
     request: EngineRequest
-    tokens: list[int]  # prompt + generated; KV exists for tokens[:num_computed]
-    order: int = field(default_factory=lambda: next(_arrival_counter))
+    tokens: list[int]  # prompt + generated
+    block_table: BlockTable
+    order: int = field(default_factory=lambda: next(_arrival_counter))  # FCFS tie-break: arrival order
     num_computed: int = 0
-    block_table: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    generator: Any = None  # the sampler's per-request torch.Generator (opaque here)
     num_preemptions: int = 0
 
     @property
@@ -61,6 +87,7 @@ class Sequence:
 
     @property
     def remaining(self) -> int:
+        """Tokens whose KV is still to be computed."""
         return len(self.tokens) - self.num_computed
 
 
@@ -68,33 +95,45 @@ class Sequence:
 class ScheduledChunk:
     seq: Sequence
     num_tokens: int
+    start: int = -1  # position of the chunk's first token (num_computed when scheduled)
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            self.start = self.seq.num_computed
 
     @property
     def completes(self) -> bool:
         """After this chunk every token has KV, so the last one's logits give the next token."""
-        return self.seq.num_computed + self.num_tokens == len(self.seq.tokens)
+        return self.start + self.num_tokens == len(self.seq.tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.completes and self.start > 0
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, config: SchedulerConfig = SchedulerConfig(),
+    def __init__(self, allocator: BlockAllocator, block_size: int, config: SchedulerConfig | None = None,
                  budget: TokenBudget | None = None) -> None:
         self.allocator = allocator
         self.block_size = block_size
-        self.config = config
-        self.budget = budget or FixedTokenBudget(config.max_num_batched_tokens)
+        self.config = config or SchedulerConfig()
+        self.budget: TokenBudget = budget or FixedTokenBudget(self.config.max_num_batched_tokens)
         self.waiting: list[Sequence] = []  # sorted by arrival order
         self.running: list[Sequence] = []  # hold KV blocks; sorted by arrival order
         self.num_preemptions = 0
 
     # -- membership ---------------------------------------------------------------------------------
     def check_fits(self, request: EngineRequest) -> None:
+        """Reject what could never run even alone in the whole cache (it would wait forever)."""
         total = self.allocator.num_blocks
-        if blocks_needed(len(request.prompt_token_ids), self.block_size) > total:
-            raise InvalidRequest("prompt", f"{len(request.prompt_token_ids)} tokens need more KV blocks than this "
-                                           f"worker has ({total} x {self.block_size} tokens)")
-        need = len(request.prompt_token_ids) + request.sampling.max_tokens
+        n_prompt = len(request.prompt_token_ids)
+        if blocks_needed(n_prompt, self.block_size) > total:
+            raise InvalidRequest("prompt", f"{n_prompt} tokens need more KV blocks than this worker has "
+                                           f"({total} x {self.block_size} tokens)")
+        # the last sampled token never gets KV: prompt + max_tokens - 1 tokens are cached at most
+        need = n_prompt + request.sampling.max_tokens - 1
         if blocks_needed(need, self.block_size) > total:
-            raise InvalidRequest("max_tokens", f"prompt + max_tokens = {need} tokens exceed this worker's KV "
+            raise InvalidRequest("max_tokens", f"prompt + max_tokens = {need + 1} tokens exceed this worker's KV "
                                                f"capacity of {total * self.block_size} tokens")
 
     def add(self, seq: Sequence) -> None:
@@ -117,11 +156,11 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         if seq.block_table:
-            self.allocator.free(seq.block_table)
-        seq.block_table = []
+            self.allocator.free(seq.block_table.clear())
         seq.num_computed = 0
 
     def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop its KV; it re-prefills prompt + generated tokens later."""
         self.running.remove(seq)
         self._free(seq)
         seq.num_preemptions += 1
@@ -129,58 +168,88 @@ class Scheduler:
         self._insert(self.waiting, seq)
 
     # -- the policy -----------------------------------------------------------------------------------
-    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        need = blocks_needed(seq.num_computed + num_tokens, self.block_size) - len(seq.block_table)
-        if need <= 0:
-            return True
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for seq's next num_tokens tokens; False (nothing allocated) when too few are free."""
+        need = seq.block_table.extra_blocks_for(seq.num_computed + num_tokens)
         if need > self.allocator.num_free:
             return False
-        seq.block_table.extend(self.allocator.allocate(need))
+        if need:
+            seq.block_table.extend(self.allocator.allocate(need))
         return True
 
+    def _room(self, seq: Sequence) -> int:
+        """Tokens seq could still add with its own blocks plus every free block."""
+        return seq.block_table.capacity + self.allocator.num_free * self.block_size - seq.num_computed
+
+    def _preempt_newest(self, newer_than: Sequence, protected: set[int]) -> bool:
+        """Preempt the most recently arrived running sequence that arrived after `newer_than` and is not
+        in this step's batch. False when there is none."""
+        for victim in reversed(self.running):
+            if victim.order <= newer_than.order:
+                return False
+            if id(victim) not in protected:
+                self.preempt(victim)
+                return True
+        return False
+
     def schedule(self) -> list[ScheduledChunk]:
+        """Pick this iteration's work and reserve its KV blocks. Decodes come first in the result."""
         cfg = self.config
         out: list[ScheduledChunk] = []
         decodes = [s for s in self.running if s.remaining == 1]
-        budget = self.budget.max_tokens_for(len(decodes))
-        used_tokens = 0
-        # 1. decodes, oldest first; preempt the newest running request when blocks run out.
-        for seq in list(decodes):
-            if seq not in self.running:
-                continue  # preempted to make room for an older one
-            if used_tokens >= budget or len(out) >= cfg.max_num_seqs:
+        budget = self.budget.max_tokens_for(len(decodes),
+                                            decode_context_tokens=sum(len(s.tokens) for s in decodes))
+        used = 0
+        in_batch: set[int] = set()
+        preemptions_before = self.num_preemptions
+        # 1. decodes, oldest first; when blocks run out preempt the newest running request (maybe itself).
+        for seq in decodes:
+            if seq.num_computed == 0:
+                continue  # preempted below to make room for an older one
+            if used >= budget or len(out) >= cfg.max_num_seqs:
                 break
-            while not self._grow(seq, 1):
+            while not self._reserve(seq, 1):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
             else:
                 out.append(ScheduledChunk(seq, 1))
-                used_tokens += 1
-        # 2. prompt chunks: partially prefilled running sequences, then waiting ones, in arrival order.
-        scheduled = {id(c.seq) for c in out}
-        candidates = [s for s in self.running if id(s) not in scheduled and s.remaining > 1]
-        candidates += list(self.waiting)
-        candidates.sort(key=lambda s: s.order)
-        for seq in candidates:
-            if used_tokens >= budget or len(out) >= cfg.max_num_seqs:
+                in_batch.add(id(seq))
+                used += 1
+        # 2. prompt chunks in arrival order: partially prefilled running sequences first, then waiting ones
+        #    (not after a preemption in this step: memory is short, re-admitting would only thrash).
+        partial = [s for s in self.running if id(s) not in in_batch and s.remaining > 1]
+        for seq in partial + list(self.waiting):
+            if used >= budget or len(out) >= cfg.max_num_seqs:
                 break
-            n = min(seq.remaining, budget - used_tokens)
+            admitting = seq.num_computed == 0 and not seq.block_table
+            if admitting and self.num_preemptions != preemptions_before:
+                break
+            n = min(seq.remaining, budget - used)
             if cfg.max_prefill_chunk:
                 n = min(n, cfg.max_prefill_chunk)
-            # shrink the chunk to what free blocks can hold (tokens already fitting in its last block are free)
-            room = (len(seq.block_table) + self.allocator.num_free) * self.block_size - seq.num_computed
-            n = min(n, room)
+            if not admitting:
+                # a running sequence may take blocks from newer running ones that are not in this batch
+                while self._room(seq) < n and self._preempt_newest(seq, in_batch):
+                    pass
+            n = min(n, self._room(seq))
+            if admitting and self.running:
+                keep_free = int(cfg.admission_watermark * self.allocator.num_blocks)
+                spare = self.allocator.num_free - seq.block_table.extra_blocks_for(n)
+                if spare < keep_free:
+                    n = min(n, max(0, (self.allocator.num_free - keep_free) * self.block_size))
             if n <= 0:
                 break  # FCFS: later requests do not overtake one waiting for memory
-            self._grow(seq, n)
-            if seq in self.waiting:
+            self._reserve(seq, n)
+            if admitting:
                 self.waiting.remove(seq)
                 self._insert(self.running, seq)
             out.append(ScheduledChunk(seq, n))
-            used_tokens += n
+            in_batch.add(id(seq))
+            used += n
         return out
 
     def queued_demand_blocks(self) -> int:
+        """KV blocks the waiting requests need to (re-)prefill: the router's and monitor's demand signal."""
         return sum(blocks_needed(len(s.tokens), self.block_size) for s in self.waiting)

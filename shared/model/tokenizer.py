@@ -7,6 +7,7 @@ halfway through a multi-byte character).
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Protocol, Sequence
 
@@ -84,14 +85,25 @@ class HFTokenizer:
         return _incremental(self.decode, previous, new_id)
 
 
-def load_tokenizer(model_path: str | None) -> Tokenizer | None:
-    """The tokenizer for a model source: embedded -> ByteTokenizer; a directory -> its tokenizer.json,
-    or None when it has none (the model then takes token-id prompts only)."""
+def load_tokenizer(model_path: str | None, vocab_size: int | None = None) -> Tokenizer | None:
+    """The tokenizer for a model source: embedded (None) -> ByteTokenizer; a directory -> its
+    tokenizer.json, else a ByteTokenizer when the vocabulary holds the byte ids and BOS/EOS (vocab_size
+    from the argument or the directory's config.json), else None (the model takes token-id prompts only)."""
     if not model_path:
         return ByteTokenizer()
     d = pathlib.Path(model_path)
     if not d.is_dir():
         raise FileNotFoundError(f"model directory {d} does not exist")
     if (d / "tokenizer.json").is_file():
-        return HFTokenizer(d / "tokenizer.json")
+        try:
+            return HFTokenizer(d / "tokenizer.json")
+        except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+            raise ValueError(f"{d / 'tokenizer.json'}: cannot load: {exc}") from None
+    if vocab_size is None and (d / "config.json").is_file():
+        try:
+            vocab_size = int(json.loads((d / "config.json").read_text()).get("vocab_size", 0))
+        except (ValueError, TypeError):
+            vocab_size = None
+    if vocab_size is not None and vocab_size >= BYTE_SPECIALS:
+        return ByteTokenizer(vocab_size)
     return None

@@ -1,9 +1,15 @@
+"""Sampling: greedy, temperature / top-k / top-p with per-request seeded generators, stop conditions,
+and request validation that names the offending field."""
+
 from __future__ import annotations
 
 import pytest
+import torch
 
+from engine_testing import one_torch_thread  # noqa: F401 - fixture
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine
+from kunserve.shared.engine.sampler import sample
 from kunserve.shared.model.config import TINY_CONFIG
 from kunserve.shared.model.weights import random_weights
 
@@ -24,6 +30,26 @@ def test_seed_is_reproducible_regardless_of_batch():
     different = engine().generate([EngineRequest("x", [1, 2, 3], SamplingParams(max_tokens=10, temperature=1.0,
                                                                                  top_p=0.9, seed=43))])["x"]
     assert different != alone
+
+
+def test_seeded_rows_do_not_depend_on_their_neighbours():
+    logits = torch.randn(3, 50)
+    p = SamplingParams(temperature=1.3, top_k=20, top_p=0.8, seed=7)
+    alone = sample(logits[1:2], [p], [torch.Generator().manual_seed(7)])
+    mixed = sample(logits, [SamplingParams(), p, SamplingParams(temperature=1.0, seed=1)],
+                   [None, torch.Generator().manual_seed(7), torch.Generator().manual_seed(1)])
+    assert mixed[1] == alone[0] and mixed[0] == int(logits[0].argmax())
+
+
+def test_top_p_and_top_k_restrict_the_support():
+    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0, -2.0]])
+    g = torch.Generator().manual_seed(0)
+    seen = {sample(logits, [SamplingParams(temperature=1.0, top_p=0.5)], [g])[0] for _ in range(50)}
+    assert seen == {0}  # p(0) ~ 0.71 >= 0.5: the nucleus is token 0 alone
+    seen = {sample(logits, [SamplingParams(temperature=1.0, top_k=2)], [g])[0] for _ in range(200)}
+    assert seen == {0, 1}
+    seen = {sample(logits, [SamplingParams(temperature=100.0)], [g])[0] for _ in range(200)}
+    assert seen == {0, 1, 2, 3, 4}
 
 
 def test_top_k_one_is_greedy():
@@ -82,3 +108,29 @@ def test_abort_frees_blocks():
     assert eng.allocator.num_used > 0
     assert eng.abort("a") and not eng.abort("a")
     assert eng.allocator.num_used == 0 and not eng.has_work()
+
+
+def test_eos_stops_unless_ignored():
+    prompt = [5, 6, 7]
+    ref = engine().generate([EngineRequest("r", prompt, SamplingParams(max_tokens=6, ignore_eos=True))])["r"]
+    cfg = CFG.replace(eos_token_id=ref[2], name="eos")
+    eng = Engine(cfg, W, num_kv_blocks=16, block_size=4)
+    eng.add_request(EngineRequest("a", prompt, SamplingParams(max_tokens=6)))
+    eng.add_request(EngineRequest("b", prompt, SamplingParams(max_tokens=6, ignore_eos=True)))
+    events = []
+    while eng.has_work():
+        events += eng.step()
+    a = [e for e in events if e.request_id == "a"]
+    b = [e for e in events if e.request_id == "b"]
+    first_eos = ref.index(ref[2])
+    assert [e.token_id for e in a] == ref[:first_eos + 1] and a[-1].finish_reason is FinishReason.EOS
+    assert [e.token_id for e in b] == ref and b[-1].finish_reason is FinishReason.LENGTH
+    assert [e.index for e in b] == list(range(6))
+
+
+def test_duplicate_request_id_is_rejected():
+    eng = engine()
+    eng.add_request(EngineRequest("d", [1, 2]))
+    with pytest.raises(InvalidRequest) as e:
+        eng.add_request(EngineRequest("d", [3]))
+    assert e.value.field == "request_id"
