@@ -75,11 +75,16 @@ class Sequence:
     request: EngineRequest
     tokens: list[int]  # prompt + generated
     block_table: BlockTable
-    order: int = field(default_factory=lambda: next(_arrival_counter))  # FCFS tie-break: arrival order
+    # FCFS key: (request.arrival_time, add order). Ties (e.g. arrival_time left at 0) keep add order.
+    order: tuple[float, int] = (0.0, -1)
     num_computed: int = 0
     generated: list[int] = field(default_factory=list)
     generator: Any = None  # the sampler's per-request torch.Generator (opaque here)
     num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.order[1] < 0:
+            self.order = (float(self.request.arrival_time), next(_arrival_counter))
 
     @property
     def request_id(self) -> str:

@@ -14,6 +14,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The shape of a Llama / Qwen2 decoder: everything the engine, the reference, the checkpoint loader
+    and the memory planner need, and nothing framework-specific. Frozen (hashable) so it can key
+    caches and travel between processes as its HF dict."""
+
     vocab_size: int
     hidden_size: int
     num_layers: int

@@ -13,8 +13,8 @@ from kunserve.shared.engine.kv_cache import BlockAllocator, BlockTable
 from kunserve.shared.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 
 
-def seq(rid: str, n_prompt: int, max_tokens: int = 8, bs: int = 4) -> Sequence:
-    req = EngineRequest(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens))
+def seq(rid: str, n_prompt: int, max_tokens: int = 8, bs: int = 4, arrival: float = 0.0) -> Sequence:
+    req = EngineRequest(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), arrival)
     return Sequence(req, list(req.prompt_token_ids), BlockTable(bs))
 
 
@@ -164,3 +164,11 @@ def test_random_workloads_always_finish_and_free_everything():
         assert not s.running and not s.waiting, f"seed {seed}: stuck"
         assert alloc.num_used == 0
         assert all(len(x.generated) == x.request.sampling.max_tokens for x in seqs)
+
+
+def test_fcfs_follows_arrival_time_then_add_order():
+    s = Scheduler(BlockAllocator(100), 4, SchedulerConfig(max_num_batched_tokens=100))
+    for x in (seq("late", 3, arrival=5.0), seq("early", 3, arrival=1.0), seq("tie", 3, arrival=5.0)):
+        s.add(x)
+    assert [x.request_id for x in s.waiting] == ["early", "late", "tie"]
+    assert [ch.seq.request_id for ch in s.schedule()] == ["early", "late", "tie"]
