@@ -1,0 +1,86 @@
+"""A stand-alone transfer peer for tests and benchmarks: ``python -m kunserve.shared.transfer.peer``.
+
+Listens (UCX), prints ``TRANSFER_PEER_READY {"port": N, "name": ...}`` on stdout, then serves:
+
+- any data message whose ``name`` is ``"echo"`` is sent back to its sender with the same kind and
+  metadata, named ``"echo-reply"``;
+- CONTROL ``"report"`` is answered with CONTROL ``"report"`` whose payload is JSON:
+  ``{"recv": [[t, kind, message_id, chunk_index, nbytes, last], ...], "stats": {...}}`` (receive trace,
+  ``t`` from time.perf_counter(), comparable across processes on one host), and the trace is cleared;
+- CONTROL ``"exit"`` (or stdin reaching EOF, e.g. the parent died) closes the service and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+
+from kunserve.shared.log import configure_logging
+
+from .framing import ACTIVATION, CHECKPOINT, CONTROL, KV_EXCHANGE, WEIGHTS
+from .service import Received, TransferConfig, TransferService
+
+READY = "TRANSFER_PEER_READY "
+
+
+async def serve(args: argparse.Namespace) -> None:
+    config = TransferConfig(target_chunk_s=args.target_chunk_s, min_chunk_bytes=args.min_chunk_bytes,
+                            max_chunk_bytes=args.max_chunk_bytes, trace_len=args.trace)
+    svc = TransferService(args.name, config=config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def watch_stdin() -> None:
+        try:
+            sys.stdin.buffer.read()
+        finally:
+            loop.call_soon_threadsafe(stop.set)
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+
+    def on_data(msg: Received) -> None:
+        if msg.header.name == "echo":
+            h = msg.header
+            svc.submit(msg.peer, h.kind, msg.data, request_ids=list(h.request_ids), layer_start=h.layer_start,
+                       layer_end=h.layer_end, epoch=h.epoch, name="echo-reply")
+
+    def on_control(msg: Received) -> None:
+        if msg.header.name == "report":
+            recv = [[e.t, e.kind, e.message_id, e.chunk_index, e.nbytes, e.last] for e in svc.trace
+                    if e.op == "recv" and e.peer == msg.peer]
+            svc.trace.clear()
+            body = json.dumps({"recv": recv, "stats": svc.stats()}).encode()
+            svc.submit(msg.peer, CONTROL, body, name="report")
+        elif msg.header.name == "exit":
+            stop.set()
+
+    for kind in (ACTIVATION, KV_EXCHANGE, WEIGHTS, CHECKPOINT):
+        svc.on_message(kind, on_data)
+    svc.on_message(CONTROL, on_control)
+    port = await svc.start(args.port)
+    print(READY + json.dumps({"port": port, "name": args.name}), flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await svc.close(drain=True, timeout=5.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--name", default="peer")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--target-chunk-s", type=float, default=0.005)
+    ap.add_argument("--min-chunk-bytes", type=int, default=64 * 1024)
+    ap.add_argument("--max-chunk-bytes", type=int, default=64 << 20)
+    ap.add_argument("--trace", type=int, default=100_000)
+    ap.add_argument("--log-level", default="warning")
+    args = ap.parse_args(argv)
+    configure_logging("transfer-peer", level=args.log_level)  # logs to stderr; stdout carries the port line
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()
