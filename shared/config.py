@@ -56,7 +56,10 @@ class WorkerSection(ServiceSection):
 @dataclass
 class EngineSection:
     block_size: int = 16  # tokens per KV block
-    pool_mib: int = 256  # memory per worker for weights + KV cache
+    pool_mib: int = 256  # memory per worker for weights + KV cache (the unified memory pool)
+    page_kib: int = 2048  # pool page size (2 MiB = the CUDA VMM granularity)
+    memory_backend: str = "auto"  # auto | host | cuda
+    host_copy: bool = True  # keep a DRAM copy of the weights for fast restores
     max_num_batched_tokens: int = 256  # per-iteration token budget
     max_num_seqs: int = 64
     threads: int = 0  # torch threads per worker; 0 = share of the cores
@@ -237,9 +240,13 @@ def validate(cfg: ClusterConfig) -> None:
         if not (0 <= svc.port < 65536):
             raise ConfigError(f"{src}: {name}.port must be in [0, 65535], got {svc.port}")
     e = cfg.engine
-    for key in ("block_size", "pool_mib", "max_num_batched_tokens", "max_num_seqs"):
+    for key in ("block_size", "pool_mib", "page_kib", "max_num_batched_tokens", "max_num_seqs"):
         if getattr(e, key) <= 0:
             raise ConfigError(f"{src}: engine.{key} must be > 0, got {getattr(e, key)}")
+    if e.page_kib % 4 != 0:
+        raise ConfigError(f"{src}: engine.page_kib must be a multiple of 4 (KiB), got {e.page_kib}")
+    if e.memory_backend not in ("auto", "host", "cuda"):
+        raise ConfigError(f"{src}: engine.memory_backend must be auto, host or cuda, got {e.memory_backend!r}")
     if e.threads < 0:
         raise ConfigError(f"{src}: engine.threads must be >= 0, got {e.threads}")
     if cfg.model.dtype not in ("float32", "bfloat16", "float16"):

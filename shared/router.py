@@ -20,6 +20,7 @@ class InstanceLoad:
     block_size: int = 16
     healthy: bool = False
     report_time: float = 0.0  # dispatcher clock when the report was taken
+    serving: bool = True  # holds the whole model (a worker that dropped layers serves only in its group)
 
 
 @dataclass
@@ -53,7 +54,7 @@ class FreenessRouter:
         best, best_free = None, -math.inf
         for iid in sorted(self.instances):
             inst = self.instances[iid]
-            if not inst.healthy or iid in exclude:
+            if not inst.healthy or not inst.serving or iid in exclude:
                 continue
             f = self.freeness(iid)
             if f > best_free:

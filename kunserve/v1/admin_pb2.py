@@ -25,17 +25,22 @@ _sym_db = _symbol_database.Default()
 from kunserve.v1 import common_pb2 as kunserve_dot_v1_dot_common__pb2
 from kunserve.v1 import monitor_pb2 as kunserve_dot_v1_dot_monitor__pb2
 from kunserve.v1 import memory_manager_pb2 as kunserve_dot_v1_dot_memory__manager__pb2
+from kunserve.v1 import worker_pb2 as kunserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kunserve/v1/admin.proto\x12\x0bkunserve.v1\x1a\x18kunserve/v1/common.proto\x1a\x19kunserve/v1/monitor.proto\x1a kunserve/v1/memory_manager.proto\"}\n\x0b\x41\x64minStatus\x12+\n\x07\x63luster\x18\x01 \x01(\x0b\x32\x1a.kunserve.v1.ClusterStatus\x12*\n\x06layout\x18\x02 \x01(\x0b\x32\x1a.kunserve.v1.ClusterLayout\x12\x15\n\rmonitor_error\x18\x03 \x01(\t2B\n\x05\x41\x64min\x12\x39\n\tGetStatus\x12\x12.kunserve.v1.Empty\x1a\x18.kunserve.v1.AdminStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kunserve/v1/admin.proto\x12\x0bkunserve.v1\x1a\x18kunserve/v1/common.proto\x1a\x19kunserve/v1/monitor.proto\x1a kunserve/v1/memory_manager.proto\x1a\x18kunserve/v1/worker.proto\"\x1e\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\"H\n\x13WorkerLayersRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x0e\n\x06source\x18\x03 \x01(\t\"}\n\x0b\x41\x64minStatus\x12+\n\x07\x63luster\x18\x01 \x01(\x0b\x32\x1a.kunserve.v1.ClusterStatus\x12*\n\x06layout\x18\x02 \x01(\x0b\x32\x1a.kunserve.v1.ClusterLayout\x12\x15\n\rmonitor_error\x18\x03 \x01(\t2\xa8\x02\n\x05\x41\x64min\x12\x39\n\tGetStatus\x12\x12.kunserve.v1.Empty\x1a\x18.kunserve.v1.AdminStatus\x12\x41\n\x0fGetWorkerMemory\x12\x16.kunserve.v1.WorkerRef\x1a\x16.kunserve.v1.MemoryMap\x12N\n\x10\x44ropWorkerLayers\x12 .kunserve.v1.WorkerLayersRequest\x1a\x18.kunserve.v1.LayerChange\x12Q\n\x13RestoreWorkerLayers\x12 .kunserve.v1.WorkerLayersRequest\x1a\x18.kunserve.v1.LayerChangeb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kunserve.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ADMINSTATUS']._serialized_start=127
-  _globals['_ADMINSTATUS']._serialized_end=252
-  _globals['_ADMIN']._serialized_start=254
-  _globals['_ADMIN']._serialized_end=320
+  _globals['_WORKERREF']._serialized_start=153
+  _globals['_WORKERREF']._serialized_end=183
+  _globals['_WORKERLAYERSREQUEST']._serialized_start=185
+  _globals['_WORKERLAYERSREQUEST']._serialized_end=257
+  _globals['_ADMINSTATUS']._serialized_start=259
+  _globals['_ADMINSTATUS']._serialized_end=384
+  _globals['_ADMIN']._serialized_start=387
+  _globals['_ADMIN']._serialized_end=683
 # @@protoc_insertion_point(module_scope)

@@ -5,6 +5,7 @@ import warnings
 
 from kunserve.v1 import admin_pb2 as kunserve_dot_v1_dot_admin__pb2
 from kunserve.v1 import common_pb2 as kunserve_dot_v1_dot_common__pb2
+from kunserve.v1 import worker_pb2 as kunserve_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -40,6 +41,21 @@ class AdminStub:
                 request_serializer=kunserve_dot_v1_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=kunserve_dot_v1_dot_admin__pb2.AdminStatus.FromString,
                 _registered_method=True)
+        self.GetWorkerMemory = channel.unary_unary(
+                '/kunserve.v1.Admin/GetWorkerMemory',
+                request_serializer=kunserve_dot_v1_dot_admin__pb2.WorkerRef.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_worker__pb2.MemoryMap.FromString,
+                _registered_method=True)
+        self.DropWorkerLayers = channel.unary_unary(
+                '/kunserve.v1.Admin/DropWorkerLayers',
+                request_serializer=kunserve_dot_v1_dot_admin__pb2.WorkerLayersRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_worker__pb2.LayerChange.FromString,
+                _registered_method=True)
+        self.RestoreWorkerLayers = channel.unary_unary(
+                '/kunserve.v1.Admin/RestoreWorkerLayers',
+                request_serializer=kunserve_dot_v1_dot_admin__pb2.WorkerLayersRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_worker__pb2.LayerChange.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -52,6 +68,25 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetWorkerMemory(self, request, context):
+        """One worker's memory pool, proxied to that worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropWorkerLayers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestoreWorkerLayers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +94,21 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=kunserve_dot_v1_dot_common__pb2.Empty.FromString,
                     response_serializer=kunserve_dot_v1_dot_admin__pb2.AdminStatus.SerializeToString,
+            ),
+            'GetWorkerMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWorkerMemory,
+                    request_deserializer=kunserve_dot_v1_dot_admin__pb2.WorkerRef.FromString,
+                    response_serializer=kunserve_dot_v1_dot_worker__pb2.MemoryMap.SerializeToString,
+            ),
+            'DropWorkerLayers': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropWorkerLayers,
+                    request_deserializer=kunserve_dot_v1_dot_admin__pb2.WorkerLayersRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_worker__pb2.LayerChange.SerializeToString,
+            ),
+            'RestoreWorkerLayers': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreWorkerLayers,
+                    request_deserializer=kunserve_dot_v1_dot_admin__pb2.WorkerLayersRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_worker__pb2.LayerChange.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +138,87 @@ class Admin:
             '/kunserve.v1.Admin/GetStatus',
             kunserve_dot_v1_dot_common__pb2.Empty.SerializeToString,
             kunserve_dot_v1_dot_admin__pb2.AdminStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWorkerMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.Admin/GetWorkerMemory',
+            kunserve_dot_v1_dot_admin__pb2.WorkerRef.SerializeToString,
+            kunserve_dot_v1_dot_worker__pb2.MemoryMap.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropWorkerLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.Admin/DropWorkerLayers',
+            kunserve_dot_v1_dot_admin__pb2.WorkerLayersRequest.SerializeToString,
+            kunserve_dot_v1_dot_worker__pb2.LayerChange.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreWorkerLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.Admin/RestoreWorkerLayers',
+            kunserve_dot_v1_dot_admin__pb2.WorkerLayersRequest.SerializeToString,
+            kunserve_dot_v1_dot_worker__pb2.LayerChange.FromString,
             options,
             channel_credentials,
             insecure,

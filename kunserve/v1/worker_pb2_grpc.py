@@ -55,6 +55,21 @@ class WorkerStub:
                 request_serializer=kunserve_dot_v1_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=kunserve_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.DropLayers = channel.unary_unary(
+                '/kunserve.v1.Worker/DropLayers',
+                request_serializer=kunserve_dot_v1_dot_worker__pb2.DropLayersRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_worker__pb2.LayerChange.FromString,
+                _registered_method=True)
+        self.RestoreLayers = channel.unary_unary(
+                '/kunserve.v1.Worker/RestoreLayers',
+                request_serializer=kunserve_dot_v1_dot_worker__pb2.RestoreLayersRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_worker__pb2.LayerChange.FromString,
+                _registered_method=True)
+        self.GetMemoryMap = channel.unary_unary(
+                '/kunserve.v1.Worker/GetMemoryMap',
+                request_serializer=kunserve_dot_v1_dot_common__pb2.Empty.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_worker__pb2.MemoryMap.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -84,6 +99,26 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropLayers(self, request, context):
+        """Unified memory pool (KunServe §4.1): drop layers (their pages become KV cache), restore them,
+        and read the page map. A worker serves requests alone only while it holds every layer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestoreLayers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetMemoryMap(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +141,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=kunserve_dot_v1_dot_common__pb2.Empty.FromString,
                     response_serializer=kunserve_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'DropLayers': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropLayers,
+                    request_deserializer=kunserve_dot_v1_dot_worker__pb2.DropLayersRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_worker__pb2.LayerChange.SerializeToString,
+            ),
+            'RestoreLayers': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreLayers,
+                    request_deserializer=kunserve_dot_v1_dot_worker__pb2.RestoreLayersRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_worker__pb2.LayerChange.SerializeToString,
+            ),
+            'GetMemoryMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMemoryMap,
+                    request_deserializer=kunserve_dot_v1_dot_common__pb2.Empty.FromString,
+                    response_serializer=kunserve_dot_v1_dot_worker__pb2.MemoryMap.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +266,87 @@ class Worker:
             '/kunserve.v1.Worker/GetInfo',
             kunserve_dot_v1_dot_common__pb2.Empty.SerializeToString,
             kunserve_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.Worker/DropLayers',
+            kunserve_dot_v1_dot_worker__pb2.DropLayersRequest.SerializeToString,
+            kunserve_dot_v1_dot_worker__pb2.LayerChange.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.Worker/RestoreLayers',
+            kunserve_dot_v1_dot_worker__pb2.RestoreLayersRequest.SerializeToString,
+            kunserve_dot_v1_dot_worker__pb2.LayerChange.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMemoryMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.Worker/GetMemoryMap',
+            kunserve_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            kunserve_dot_v1_dot_worker__pb2.MemoryMap.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,8 +54,9 @@ class WorkerPool:
                 if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     self.mark(wid, False)
                 return
+            whole = s.layer_start == 0 and s.layer_end == s.num_layers_model
             self.router.update(InstanceLoad(wid, s.kv_blocks_total, s.kv_blocks_used, s.queued_demand_blocks,
-                                            s.block_size or 16, True, sent))
+                                            s.block_size or 16, True, sent, serving=whole))
             self.mark(wid, True)
 
         await asyncio.gather(*(one(w) for w in self.stubs))
@@ -148,9 +149,12 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                         yield ev
                     return
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.UNAVAILABLE and not record.token_ids and not record.shutting_down:
-                        # The worker died before producing anything: nothing was streamed, so retry elsewhere.
-                        self.pool.mark(wid, False)
+                    retriable = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
+                    if retriable and not record.token_ids and not record.shutting_down:
+                        # The worker died, or dropped layers, before producing anything: nothing was
+                        # streamed, so retry elsewhere.
+                        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                            self.pool.mark(wid, False)
                         self.log.warning("worker_unavailable_retrying", request_id=rid, worker=wid)
                         continue
                     await self._fail(record, exc, context)

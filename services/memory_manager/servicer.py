@@ -14,7 +14,8 @@ from kunserve.shared.config import ClusterConfig
 from kunserve.shared.layout import LayoutState
 from kunserve.shared.log import get_logger
 from kunserve.shared.rpc import insecure_channel
-from kunserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc, worker_pb2_grpc
+from kunserve.v1 import (admin_pb2, admin_pb2_grpc, common_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc, worker_pb2,
+                         worker_pb2_grpc)
 
 
 class MemoryManager:
@@ -26,6 +27,10 @@ class MemoryManager:
         self.log = get_logger()
         self._channels = {w.id: insecure_channel(w.address) for w in cfg.workers}
         self.monitor_channel = insecure_channel(cfg.monitor.address)
+
+    def worker_stub(self, worker_id: str) -> worker_pb2_grpc.WorkerStub | None:
+        ch = self._channels.get(worker_id)
+        return worker_pb2_grpc.WorkerStub(ch) if ch is not None else None
 
     async def refresh(self, timeout: float = 1.0) -> None:
         async def one(worker_id: str) -> None:
@@ -74,4 +79,36 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 common_pb2.Empty(), timeout=2.0))
         except grpc.aio.AioRpcError as exc:
             out.monitor_error = f"monitor at {self.mm.cfg.monitor.address} unreachable: {exc.code().name}"
+        return out
+
+    async def _worker(self, worker_id: str, context) -> worker_pb2_grpc.WorkerStub:
+        stub = self.mm.worker_stub(worker_id)
+        if stub is None:
+            known = ", ".join(sorted(self.mm._channels)) or "none"
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"worker_id: no worker {worker_id!r} (known: {known})")
+        return stub
+
+    async def _proxy(self, worker_id: str, call, context):
+        """Forward to the worker; its status and message reach kunctl unchanged."""
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), f"worker {worker_id}: {exc.details()}")
+
+    async def GetWorkerMemory(self, request, context):
+        stub = await self._worker(request.worker_id, context)
+        return await self._proxy(request.worker_id, stub.GetMemoryMap(common_pb2.Empty(), timeout=10.0), context)
+
+    async def DropWorkerLayers(self, request, context):
+        stub = await self._worker(request.worker_id, context)
+        out = await self._proxy(request.worker_id, stub.DropLayers(
+            worker_pb2.DropLayersRequest(layers=request.layers), timeout=60.0), context)
+        await self.mm.refresh()
+        return out
+
+    async def RestoreWorkerLayers(self, request, context):
+        stub = await self._worker(request.worker_id, context)
+        out = await self._proxy(request.worker_id, stub.RestoreLayers(
+            worker_pb2.RestoreLayersRequest(layers=request.layers, source=request.source), timeout=300.0), context)
+        await self.mm.refresh()
         return out

@@ -23,15 +23,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--worker-id is required (or set KUNSERVE_WORKER_ID)")
     cfg, log = load_service_config(args, "worker", worker_id=args.worker_id)
     try:
-        engine_loop, identity = build_worker(cfg, args.worker_id)
+        engine_loop, instance, identity = build_worker(cfg, args.worker_id)
     except WorkerBuildError as exc:
         print(f"worker {args.worker_id}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    log.info("model_loaded", model=identity.model_name, layers=[identity.layer_start, identity.layer_end],
-             kv_blocks=engine_loop.stats().kv_blocks_total, device=identity.device)
+    log.info("model_loaded", model=identity.model_name, layers=list(instance.layer_range),
+             kv_blocks=engine_loop.stats().kv_blocks_total, device=identity.device, memory=repr(instance.layout))
 
     async def amain() -> None:
-        servicer = WorkerServicer(identity, engine_loop)
+        servicer = WorkerServicer(identity, engine_loop, instance)
         tasks: list[asyncio.Task] = []
 
         def register(server) -> None:

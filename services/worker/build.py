@@ -1,5 +1,5 @@
-"""Build a worker's engine from the cluster config: load the model's layer range, size the KV cache
-from the memory pool budget, pick the device and the thread count."""
+"""Build a worker's model instance from the cluster config: the layer range in the unified memory
+pool (weights + KV cache share its pages), the engine on top, the device and the thread count."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import torch
 
 from kunserve.services.worker.servicer import WorkerIdentity
 from kunserve.shared.config import ClusterConfig
-from kunserve.shared.engine.engine import Engine, SchedulerConfig
 from kunserve.shared.engine.loop import EngineLoop
+from kunserve.shared.engine.pooled import PooledInstance
+from kunserve.shared.engine.scheduler import SchedulerConfig
+from kunserve.shared.memory.errors import MemoryPoolError
 from kunserve.shared.model.loader import load_model_source
 
 MIB = 1024 * 1024
@@ -37,11 +39,13 @@ def thread_share(cfg: ClusterConfig) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, len(cfg.workers)))
 
 
-def kv_blocks_for_budget(pool_bytes: int, weight_bytes: int, block_bytes_all_layers: int) -> int:
-    return (pool_bytes - weight_bytes) // block_bytes_all_layers
+def memory_backend(setting: str, device: str) -> str:
+    if setting != "auto":
+        return setting
+    return "cuda" if device == "cuda" else "host"
 
 
-def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, WorkerIdentity]:
+def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, PooledInstance, WorkerIdentity]:
     wsec = cfg.worker(worker_id)
     device = pick_device(cfg.model.device)
     try:
@@ -54,24 +58,21 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Worker
     if not (0 <= start < end <= mcfg.num_layers):
         raise WorkerBuildError(f"workers[{worker_id}]: layer range [{start}, {end}) is not within the model's "
                                f"{mcfg.num_layers} layers")
-    weights = source.load_weights((start, end))
-    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-    dtype_size = torch.empty((), dtype=getattr(torch, mcfg.dtype)).element_size()
-    block_bytes = 2 * mcfg.num_kv_heads * cfg.engine.block_size * mcfg.head_dim * dtype_size * (end - start)
-    num_blocks = kv_blocks_for_budget(cfg.engine.pool_mib * MIB, weight_bytes, block_bytes)
-    if num_blocks < 1:
-        raise WorkerBuildError(f"engine.pool_mib = {cfg.engine.pool_mib} MiB does not even hold the weights "
-                               f"({weight_bytes / MIB:.1f} MiB) plus one KV block; raise it")
-    engine = Engine(
-        mcfg, weights, num_kv_blocks=num_blocks, block_size=cfg.engine.block_size, device=device,
-        layer_range=(start, end),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
-                                         max_num_seqs=cfg.engine.max_num_seqs),
-    )
-    loop = EngineLoop(engine, num_threads=thread_share(cfg))
+    e = cfg.engine
+    try:
+        instance = PooledInstance(
+            source, layer_range=(start, end), pool_bytes=e.pool_mib * MIB, page_size=e.page_kib * 1024,
+            block_size=e.block_size, backend=memory_backend(e.memory_backend, device), device=device,
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens,
+                                             max_num_seqs=e.max_num_seqs),
+            keep_host_copy=e.host_copy)
+    except MemoryPoolError as exc:
+        raise WorkerBuildError(f"memory pool: {exc} (engine.pool_mib = {e.pool_mib}, page_kib = {e.page_kib})") from None
+    except (OSError, ValueError) as exc:
+        raise WorkerBuildError(f"cannot load model weights: {exc}") from None
+    loop = EngineLoop(instance.engine, num_threads=thread_share(cfg))
     identity = WorkerIdentity(
         worker_id=worker_id, address=wsec.address, model_name=source.name, num_layers_model=mcfg.num_layers,
-        layer_start=start, layer_end=end, vocab_size=mcfg.vocab_size, max_model_len=mcfg.max_position_embeddings,
-        device=device, dtype=mcfg.dtype,
+        vocab_size=mcfg.vocab_size, max_model_len=mcfg.max_position_embeddings, device=device, dtype=mcfg.dtype,
     )
-    return loop, identity
+    return loop, instance, identity

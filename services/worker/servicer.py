@@ -6,6 +6,7 @@ and the asyncio event loop, so RPCs and the stats stream stay responsive while a
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -13,7 +14,10 @@ import grpc
 
 from kunserve.shared.convert import finish_to_pb, sampling_from_pb, stats_to_pb
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest, TokenEvent
+from kunserve.shared.engine.loop import EngineStopped
+from kunserve.shared.engine.pooled import LayerChange, PooledInstance
 from kunserve.shared.log import get_logger
+from kunserve.shared.memory.errors import MemoryPoolError
 from kunserve.shared.streams import Shutdown, StreamRegistry
 from kunserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -24,8 +28,6 @@ class WorkerIdentity:
     address: str
     model_name: str
     num_layers_model: int
-    layer_start: int
-    layer_end: int
     vocab_size: int
     max_model_len: int
     device: str
@@ -33,9 +35,11 @@ class WorkerIdentity:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, identity: WorkerIdentity, engine_loop) -> None:  # engine_loop: EngineLoop
+    def __init__(self, identity: WorkerIdentity, engine_loop, instance: PooledInstance) -> None:
         self.identity = identity
-        self.engine = engine_loop
+        self.engine = engine_loop  # EngineLoop
+        self.instance = instance
+        self._remap_lock = asyncio.Lock()  # one drop / restore at a time
         self.streams: StreamRegistry[TokenEvent] = StreamRegistry()
         self.log = get_logger()
 
@@ -52,6 +56,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             sampling=sampling_from_pb(request.sampling),
             arrival_time=time.monotonic(),
         )
+        if not self.instance.serving:
+            start, end = self.instance.layer_range
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.identity.worker_id} holds layers [{start}, {end}) of "
+                                f"{self.identity.num_layers_model} after a drop and cannot serve alone; "
+                                "restore its layers or route through its pipeline group")
         queue = self.streams.open(rid)
         finished = False
         try:
@@ -59,6 +69,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self.engine.submit(engine_request, lambda ev: self.streams.put_threadsafe(rid, ev))
             except InvalidRequest as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except EngineStopped as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.identity.worker_id}: {exc}")
             while True:
                 item = await queue.get()
                 if isinstance(item, Shutdown):
@@ -90,9 +102,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     # -- observation ------------------------------------------------------------------------------
     def current_stats(self) -> common_pb2.WorkerStats:
         ident = self.identity
+        start, end = self.instance.layer_range
         return stats_to_pb(
             self.engine.stats(), worker_id=ident.worker_id, address=ident.address, timestamp_unix_s=time.time(),
-            layer_start=ident.layer_start, layer_end=ident.layer_end, num_layers_model=ident.num_layers_model,
+            layer_start=start, layer_end=end, num_layers_model=ident.num_layers_model,
         )
 
     async def GetStats(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext):
@@ -101,12 +114,77 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetInfo(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext):
         ident = self.identity
         stats = self.engine.stats()
+        start, end = self.instance.layer_range
         return worker_pb2.WorkerInfo(
             worker_id=ident.worker_id, address=ident.address, model_name=ident.model_name,
-            num_layers_model=ident.num_layers_model, layer_start=ident.layer_start, layer_end=ident.layer_end,
+            num_layers_model=ident.num_layers_model, layer_start=start, layer_end=end,
             vocab_size=ident.vocab_size, max_model_len=ident.max_model_len, block_size=stats.block_size,
             kv_blocks_total=stats.kv_blocks_total, device=ident.device, dtype=ident.dtype,
         )
+
+    # -- memory pool --------------------------------------------------------------------------------------
+    async def _on_engine(self, context, fn):
+        """Run fn(engine) on the engine thread between iterations; map pool errors to gRPC statuses."""
+        try:
+            return await asyncio.wrap_future(self.engine.call(lambda _engine: fn()))
+        except MemoryPoolError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.grpc_code), str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineStopped as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    def _change_pb(self, change: LayerChange) -> worker_pb2.LayerChange:
+        r = change.result
+        return worker_pb2.LayerChange(
+            op=r.op, layers=list(r.layers), layer_start=r.layer_start, layer_end=r.layer_end,
+            kv_blocks_before=r.old_num_blocks, kv_blocks_after=r.new_num_blocks, pages_unmapped=r.pages_unmapped,
+            pages_mapped=r.pages_mapped, compaction_moves=change.compaction_moves, remap_seconds=r.seconds,
+            fill_seconds=r.fill_seconds, weight_source=change.weight_source, generation=r.generation)
+
+    @staticmethod
+    async def _layers(request, context) -> list[int]:
+        layers = list(request.layers)
+        if not layers:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "layers: must not be empty")
+        return layers
+
+    async def DropLayers(self, request: worker_pb2.DropLayersRequest, context: grpc.aio.ServicerContext):
+        layers = await self._layers(request, context)
+        async with self._remap_lock:
+            change = await self._on_engine(context, lambda: self.instance.drop(layers))
+        self.log.info("layers_dropped", layers=layers, held=list(self.instance.layer_range),
+                      kv_blocks=[change.result.old_num_blocks, change.result.new_num_blocks],
+                      ms=round(change.result.seconds * 1e3, 3))
+        return self._change_pb(change)
+
+    async def RestoreLayers(self, request: worker_pb2.RestoreLayersRequest, context: grpc.aio.ServicerContext):
+        layers = await self._layers(request, context)
+        source = request.source or ("host" if self.instance.host_copy is not None else "checkpoint")
+        async with self._remap_lock:
+            change = await self._on_engine(context, lambda: self.instance.restore(layers, source))
+        self.log.info("layers_restored", layers=layers, held=list(self.instance.layer_range), source=source,
+                      kv_blocks=[change.result.old_num_blocks, change.result.new_num_blocks],
+                      compaction_moves=change.compaction_moves, ms=round(change.result.seconds * 1e3, 3))
+        return self._change_pb(change)
+
+    async def GetMemoryMap(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext):
+        m = await self._on_engine(context, self.instance.memory_map)
+        kv = m["kv"]
+        return worker_pb2.MemoryMap(
+            worker_id=self.identity.worker_id, backend=m["backend"], device=m["device"], page_size=m["page_size"],
+            num_pages=m["num_pages"], free_pages=m["free_pages"], layer_start=m["layer_start"],
+            layer_end=m["layer_end"], num_layers_model=m["num_layers_model"], weight_pages=m["weight_pages"],
+            weight_bytes=m["weight_bytes"], block_size=kv["block_size"], block_bytes=kv["block_bytes"],
+            kv_pages_per_layer=kv["pages_per_layer"], kv_blocks=kv["num_blocks"], kv_blocks_used=kv["used_blocks"],
+            kv_capacity_tokens=kv["capacity_tokens"], kv_capacity_bytes=kv["capacity_bytes"],
+            layers=[worker_pb2.LayerMemory(layer=x["layer"], weight_pages=x["weight_pages"],
+                                           weight_bytes=x["weight_bytes"], kv_pages=x["kv_pages"],
+                                           kv_blocks=x["kv_blocks"]) for x in m["layers"]],
+            groups=[worker_pb2.WeightGroupMemory(name=g["name"], pages=g["pages"], bytes=g["bytes"])
+                    for g in m["groups"]],
+            page_runs=[worker_pb2.PageRun(first_page=a, count=b, owner=o) for a, b, o in m["page_runs"]],
+            host_copy_bytes=m["host_copy_bytes"], generation=m["generation"])
 
     async def shutdown(self) -> None:
         """End every in-flight stream with UNAVAILABLE, then stop the engine thread."""

@@ -37,7 +37,7 @@ class Engine:
     def __init__(self, cfg: ModelConfig, weights: Weights, *, num_kv_blocks: int = 0, block_size: int = 16,
                  device: str | torch.device = "cpu", layer_range: tuple[int, int] | None = None,
                  scheduler_config: SchedulerConfig | None = None, budget: TokenBudget | None = None,
-                 kv_storage: KVStorage | None = None) -> None:
+                 kv_storage: KVStorage | None = None, pack_weights: bool | None = None) -> None:
         if kv_storage is None and num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be > 0, got {num_kv_blocks}")
         if block_size <= 0:
@@ -45,7 +45,8 @@ class Engine:
         self.cfg = cfg
         self.block_size = block_size
         self.device = torch.device(device)
-        self.runner = ModelRunner(cfg, weights, layer_range, self.device)
+        self.pack_weights = pack_weights
+        self.runner = ModelRunner(cfg, weights, layer_range, self.device, pack_weights=pack_weights)
         if not (self.runner.is_first and self.runner.is_last):
             raise ValueError("a single-instance engine needs the whole model; pipeline stages come with groups")
         self.kv = kv_storage or TorchKVStorage(range(self.runner.start, self.runner.end), num_kv_blocks,

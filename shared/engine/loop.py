@@ -10,8 +10,9 @@ loop with loop.call_soon_threadsafe). The thread sleeps on a condition variable 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -65,6 +66,19 @@ class EngineLoop:
             self._cv.notify()
             return True
 
+    def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread between two iterations (nothing computes meanwhile):
+        how memory remaps (drop / restore) and other state changes reach the engine safely.
+        The returned future holds fn's result or exception (await it with asyncio.wrap_future)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._stop or self._thread is None:
+                fut.set_exception(EngineStopped("engine is not running"))
+                return fut
+            self._commands.append(("call", (fn, fut)))
+            self._cv.notify()
+        return fut
+
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest iteration (never blocks on a running step)."""
         return self._stats
@@ -113,6 +127,14 @@ class EngineLoop:
                     self.engine.add_request(arg)
                 except InvalidRequest:  # capacity shrank since submit: report it as an abort
                     self._emit(TokenEvent(arg.request_id, -1, 0, FinishReason.ABORTED))
+            elif kind == "call":
+                fn, fut = arg  # type: ignore[misc]
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(self.engine))
+                    except BaseException as exc:  # handed to the caller, the engine keeps running
+                        fut.set_exception(exc)
+                self._stats = self.engine.stats()
             elif kind == "abort":
                 assert isinstance(arg, str)
                 seq = self.engine.seqs.get(arg)
@@ -127,7 +149,12 @@ class EngineLoop:
             self._emit(TokenEvent(rid, -1, len(seq.generated), FinishReason.ABORTED))
         with self._cv:
             pending = [arg for kind, arg in self._commands if kind == "add"]
+            calls = [arg for kind, arg in self._commands if kind == "call"]
             self._commands.clear()
+        for _, fut in calls:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineStopped("engine stopped before the call ran"))
+        with self._cv:
             orphans = [rid for rid in self._callbacks if rid not in {r.request_id for r in pending}]
         for req in pending:
             self._emit(TokenEvent(req.request_id, -1, 0, FinishReason.ABORTED))

@@ -92,21 +92,36 @@ class ModelRunner:
         for i in range(self.start, self.end):
             p = f"model.layers.{i}."
             L = _Layer()
-            qkv_b = (torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
-                                w(p + "self_attn.v_proj.bias")]) if self.cfg.qkv_bias else None)
-            L.qkv = _Linear(torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                                       w(p + "self_attn.v_proj.weight")], 0), qkv_b, pack)
+            if p + "self_attn.qkv_proj.weight" in weights:
+                # Already fused (the memory pool stores weights the way they are consumed): views, no copy.
+                qkv_w = w(p + "self_attn.qkv_proj.weight")
+                qkv_b = w(p + "self_attn.qkv_proj.bias") if self.cfg.qkv_bias else None
+                gate_up_w = w(p + "mlp.gate_up_proj.weight")
+            else:
+                qkv_b = (torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
+                                    w(p + "self_attn.v_proj.bias")]) if self.cfg.qkv_bias else None)
+                qkv_w = torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                                   w(p + "self_attn.v_proj.weight")], 0)
+                gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0)
+            L.qkv = _Linear(qkv_w, qkv_b, pack)
             L.o = _Linear(w(p + "self_attn.o_proj.weight"), None, pack)
-            L.gate_up = _Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0), None, pack)
+            L.gate_up = _Linear(gate_up_w, None, pack)
             L.down = _Linear(w(p + "mlp.down_proj.weight"), None, pack)
             L.ln1 = w(p + "input_layernorm.weight")
             L.ln2 = w(p + "post_attention_layernorm.weight")
             self.layers[i] = L
         self.embed = w("model.embed_tokens.weight") if self.is_first else None
+        self.norm = self.lm_head = None
         if self.is_last:
             self.norm = w("model.norm.weight")
             head = w("model.embed_tokens.weight") if self.cfg.tie_word_embeddings else w("lm_head.weight")
             self.lm_head = _Linear(head, None, pack)
+
+    def release(self) -> None:
+        """Drop every reference to the weights, so the memory pool may unmap their pages (a view
+        that outlived its mapping would crash the process). The runner is unusable until load()."""
+        self.layers = {}
+        self.embed = self.norm = self.lm_head = None
 
     def _rope_cache(self, max_pos: int) -> None:
         d = self.cfg.head_dim

@@ -1,0 +1,147 @@
+"""One worker's model instance living in the unified memory pool, with layer drop and restore.
+
+Weights and KV cache share the pool's physical pages (KunServe §4.1): the engine computes on views
+of the pages (weights stored fused, no copies, no oneDNN pre-packing), and the KV cache is the pool
+layout itself. Dropping layers remaps their pages into the KV tails of the remaining layers;
+restoring takes them back (compacting live KV blocks first when they sit in the tail) and refills
+the weights from the DRAM host copy or the checkpoint.
+
+Every method must run on the engine thread (EngineLoop.call): nothing may compute while pages move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kunserve.shared.engine.engine import Engine
+from kunserve.shared.engine.model_runner import ModelRunner
+from kunserve.shared.engine.scheduler import SchedulerConfig
+from kunserve.shared.memory import create_pool
+from kunserve.shared.memory.errors import KVCapacityError, MemoryPoolError
+from kunserve.shared.memory.layout import RemapResult
+from kunserve.shared.memory.model_layout import build_model_layout, fused_source
+from kunserve.shared.model.weights import ModelSource
+
+WEIGHT_SOURCES = ("host", "checkpoint")
+
+
+class InstanceBusy(MemoryPoolError):
+    """Dropping layers would discard the KV of requests in flight (the cluster-level drop exchanges it first)."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
+@dataclass(frozen=True)
+class LayerChange:
+    """What a drop or restore did, for the RPC answer and the logs."""
+
+    result: RemapResult
+    compaction_moves: int = 0
+    weight_source: str = ""
+
+
+class PooledInstance:
+    def __init__(self, source: ModelSource, *, layer_range: tuple[int, int], pool_bytes: int, page_size: int,
+                 block_size: int, backend: str = "auto", device: str = "cpu",
+                 scheduler_config: SchedulerConfig | None = None, keep_host_copy: bool = True) -> None:
+        self.source = source
+        self.cfg = source.config
+        self.device = device
+        self.pool = create_pool(backend, pool_bytes=pool_bytes, page_size=page_size,
+                                **({"device": device} if backend == "cuda" else {}))
+        try:
+            self.layout = build_model_layout(self.pool, self.cfg, layer_range, block_size,
+                                             source.load_weights(layer_range))
+        except BaseException:
+            self.pool.close()
+            raise
+        # The DRAM copy a restore reads from (KunServe §4.4: parameters replicated in host memory).
+        self.host_copy: dict[str, torch.Tensor] | None = self.layout.host_copy() if keep_host_copy else None
+        self._host_range = layer_range
+        self.engine = Engine(self.cfg, self.layout.weights(), block_size=block_size, device=device,
+                             layer_range=layer_range, scheduler_config=scheduler_config, kv_storage=self.layout,
+                             pack_weights=False)
+
+    # -- state -------------------------------------------------------------------------------------------
+    @property
+    def layer_range(self) -> tuple[int, int]:
+        return self.layout.layer_start, self.layout.layer_end
+
+    @property
+    def serving(self) -> bool:
+        """A worker serves requests alone only while it holds the whole model."""
+        return self.layer_range == (0, self.cfg.num_layers)
+
+    def memory_map(self) -> dict[str, Any]:
+        out = self.layout.memory_map(per_page=True)
+        out["kv"]["used_blocks"] = self.engine.allocator.num_used
+        out["host_copy_bytes"] = sum(t.numel() * t.element_size() for t in (self.host_copy or {}).values())
+        return out
+
+    # -- drop --------------------------------------------------------------------------------------------
+    def drop(self, layers: list[int]) -> LayerChange:
+        if self.engine.has_work():
+            raise InstanceBusy(f"{len(self.engine.seqs)} requests are in flight on this worker: dropping layers "
+                               f"{layers} would discard their KV; drain them or drop through the memory manager, "
+                               "which exchanges KV first")
+        self.layout.plan_drop(layers)  # validates (LayerRangeError names the layers) before anything changes
+        self.engine.runner.release()
+        try:
+            result = self.layout.drop_layers(layers)
+        except BaseException:
+            self._rebind_runner()
+            raise
+        self.engine.sync_kv_capacity()
+        self._rebind_runner()
+        return LayerChange(result)
+
+    # -- restore -----------------------------------------------------------------------------------------
+    def weight_source(self, layers: list[int], source: str):
+        if source not in WEIGHT_SOURCES:
+            raise ValueError(f"source: must be one of {', '.join(WEIGHT_SOURCES)}, got {source!r}")
+        if source == "host":
+            if self.host_copy is None:
+                raise ValueError("source: this worker keeps no host copy (engine.host_copy = false); use 'checkpoint'")
+            missing = [x for x in layers if not (self._host_range[0] <= x < self._host_range[1])]
+            if missing:
+                raise ValueError(f"source: the host copy does not hold layers {missing}; use 'checkpoint'")
+            return self.host_copy
+        lo, hi = min(layers), max(layers) + 1
+        # tensor_shapes((lo, hi)) includes the embeddings / final norm / lm_head when the range touches an end
+        return fused_source(self.source.load_weights((lo, hi)))
+
+    def restore(self, layers: list[int], source: str = "host") -> LayerChange:
+        plan = self.layout.plan_restore(layers)  # validates the layer set first
+        weights = self.weight_source(layers, source)
+        used = self.engine.allocator.used_ids()
+        if len(used) > plan.num_blocks:
+            raise KVCapacityError(
+                f"restoring layers {layers} leaves {plan.num_blocks} KV blocks but {len(used)} are in use",
+                used_blocks=len(used), new_num_blocks=plan.num_blocks, needs_compaction=False)
+        moves: dict[int, int] = {}
+        if any(b >= plan.num_blocks for b in used):
+            moves = self.layout.plan_compaction(used, plan.num_blocks)
+            self.layout.apply_compaction(moves)  # copies the blocks' bytes in every held layer
+            self.engine.apply_compaction(moves)  # rewrites the allocator and every block table
+        self.engine.runner.release()
+        try:
+            result = self.layout.restore_layers(layers, weights, used_block_ids=self.engine.allocator.used_ids())
+        finally:
+            self.engine.sync_kv_capacity()
+            self._rebind_runner()
+        return LayerChange(result, len(moves), source)
+
+    def _rebind_runner(self) -> None:
+        """A runner over what the worker now holds (views of the pages; built after every remap)."""
+        start, end = self.layer_range
+        self.engine.runner = ModelRunner(self.cfg, self.layout.weights(), (start, end), self.device,
+                                         attention=self.engine.runner.attention, pack_weights=False)
+
+    def close(self) -> None:
+        self.engine.runner.release()
+        self.layout.close()
+        self.pool.close()
+
