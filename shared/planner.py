@@ -1,0 +1,317 @@
+"""Drop and restore plans for parameter-centric memory management (KunServe §4.1, Fig. 6): pure, no I/O.
+
+Drop (``plan_drop``): groups are instances or pipeline groups; each group holds exactly one copy of the
+model's layers, split into contiguous ranges among its members in pipeline order. Under a memory
+requirement R, the greedy of Fig. 6 pops the two smallest groups from a min-heap (by member count),
+merges them, counts the layers both held (``Lg0 ∩ Lg1``: a whole model copy) as freed, pushes the merged
+group back, and stops as soon as freed >= R, when one group is left, or when the smallest possible merge
+would exceed ``max_group_size`` (or the layer count). O(N log N) in the number of groups. Few merges of
+small groups = few pipeline stages per request, which is what costs performance (Fig. 5).
+
+Every group that changed gets a balanced contiguous split of the model's layers among its members
+(2 members: [0, L/2), [L/2, L); remainders go to the first stages). Members are put in pipeline order by
+the midpoint of the range they hold now, so that each new range lies inside the old one wherever that is
+possible: the drop then only unmaps layers and loads nothing (``load`` lists what must be fetched
+otherwise). When R cannot be met, the plan says so (``met`` False, ``autoscale_needed``, fallback
+``"kv_centric"``) and still carries the best-effort merges; the caller decides whether to apply them.
+
+Restore (``plan_restore``): split a group back into full instances (or into ``parts`` smaller groups);
+each member must load the layers it lacks, from the member that holds them now.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+Range = tuple[int, int]  # [start, end)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What the model's layers and KV cost. ``layer_bytes``: weight bytes of one layer (an int when all
+    layers are alike, else one int per layer); ``kv_bytes_per_token``: KV bytes of one token in one layer."""
+
+    num_layers: int
+    layer_bytes: int | tuple[int, ...]
+    kv_bytes_per_token: int = 0
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.num_layers <= 0:
+            raise ValueError("num_layers must be > 0")
+        if isinstance(self.layer_bytes, Sequence):
+            if len(self.layer_bytes) != self.num_layers:
+                raise ValueError(f"{len(self.layer_bytes)} layer sizes for {self.num_layers} layers")
+            object.__setattr__(self, "layer_bytes", tuple(int(b) for b in self.layer_bytes))
+        if self.block_size <= 0:
+            raise ValueError("block_size must be > 0")
+
+    def bytes_of(self, start: int, end: int) -> int:
+        if end <= start:
+            return 0
+        if isinstance(self.layer_bytes, tuple):
+            return sum(self.layer_bytes[start:end])
+        return (end - start) * self.layer_bytes
+
+    @property
+    def model_bytes(self) -> int:
+        return self.bytes_of(0, self.num_layers)
+
+    @property
+    def block_bytes(self) -> int:
+        """KV bytes of one block of the whole model (all layers): the unit the cluster's demand is in."""
+        if self.kv_bytes_per_token <= 0:
+            raise ValueError("kv_bytes_per_token is needed to convert blocks to bytes")
+        return self.block_size * self.kv_bytes_per_token * self.num_layers
+
+    def blocks_to_bytes(self, blocks: int) -> int:
+        return blocks * self.block_bytes
+
+    def bytes_to_blocks(self, nbytes: int) -> int:
+        """Whole-model KV blocks that ``nbytes`` of freed memory holds (rounded down)."""
+        return nbytes // self.block_bytes
+
+
+@dataclass(frozen=True)
+class Instance:
+    instance_id: str
+    layer_start: int
+    layer_end: int
+
+    @property
+    def range(self) -> Range:
+        return (self.layer_start, self.layer_end)
+
+
+@dataclass(frozen=True)
+class Group:
+    group_id: str
+    instances: tuple[Instance, ...]  # pipeline order
+
+    def __init__(self, group_id: str, instances: Sequence[Instance]) -> None:
+        object.__setattr__(self, "group_id", group_id)
+        object.__setattr__(self, "instances", tuple(instances))
+
+    @property
+    def size(self) -> int:
+        return len(self.instances)
+
+    @classmethod
+    def single(cls, instance_id: str, num_layers: int) -> Group:
+        return cls(instance_id, [Instance(instance_id, 0, num_layers)])
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One member's new layer range, and what changes on it."""
+
+    instance_id: str
+    layer_start: int
+    layer_end: int
+    old_start: int
+    old_end: int
+    drop: tuple[Range, ...]        # layers it holds now and gives up
+    load: tuple[Range, ...]        # layers it must fetch (empty for a well-aligned drop)
+    freed_bytes: int               # weight bytes released on it (negative when it grows)
+
+    @property
+    def range(self) -> Range:
+        return (self.layer_start, self.layer_end)
+
+
+@dataclass(frozen=True)
+class PlannedGroup:
+    group_id: str
+    members: tuple[Assignment, ...]  # pipeline order
+    merged_from: tuple[str, ...]     # the previous groups' ids (one id: unchanged / split part)
+
+    @property
+    def changed(self) -> bool:
+        return any(m.range != (m.old_start, m.old_end) for m in self.members)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+@dataclass(frozen=True)
+class DropPlan:
+    groups: tuple[PlannedGroup, ...]
+    merges: tuple[tuple[str, str, str], ...]  # (group a, group b, merged group id), in order
+    required_bytes: int
+    freed_bytes: int                          # sum over merges of the duplicated layers' bytes (Fig. 6)
+    met: bool
+    load_bytes: int = 0                       # weights some member must fetch (0 for aligned drops)
+
+    @property
+    def autoscale_needed(self) -> bool:
+        return not self.met
+
+    @property
+    def fallback(self) -> str | None:
+        """None when the plan frees R; else handle the rest KV-centrically (recompute/swap/migrate)."""
+        return None if self.met else "kv_centric"
+
+    @property
+    def changed_groups(self) -> tuple[PlannedGroup, ...]:
+        return tuple(g for g in self.groups if len(g.merged_from) > 1)
+
+    @property
+    def net_freed_bytes(self) -> int:
+        return sum(m.freed_bytes for g in self.groups for m in g.members)
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    group_id: str
+    groups: tuple[PlannedGroup, ...]          # the parts (full instances when parts == members)
+    sources: dict[str, tuple[tuple[int, int, str], ...]] = field(default_factory=dict)
+    # instance -> ((start, end, holder instance), ...): where each layer range it lacks is held now
+    load_bytes: int = 0                       # weights to fetch = KV capacity given back
+
+    @property
+    def freed_bytes(self) -> int:
+        return -self.load_bytes
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def balanced_split(num_layers: int, parts: int) -> list[Range]:
+    """Contiguous ranges covering [0, num_layers), sizes differing by at most one (larger ones first)."""
+    if not 0 < parts <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {parts} stages")
+    base, extra = divmod(num_layers, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def _minus(a: Range, b: Range) -> tuple[Range, ...]:
+    """Layers of a not in b (0, 1 or 2 ranges)."""
+    out = []
+    if a[0] < min(a[1], b[0]):
+        out.append((a[0], min(a[1], b[0])))
+    if max(a[0], b[1]) < a[1]:
+        out.append((max(a[0], b[1]), a[1]))
+    return tuple(out)
+
+
+def _check_group(g: Group, num_layers: int) -> None:
+    if not g.instances:
+        raise ValueError(f"group {g.group_id} has no instances")
+    ranges = sorted(i.range for i in g.instances)
+    pos = 0
+    for s, e in ranges:
+        if s != pos or e <= s:
+            raise ValueError(f"group {g.group_id} does not hold layers [0, {num_layers}) exactly once: "
+                             f"{[i.range for i in g.instances]}")
+        pos = e
+    if pos != num_layers:
+        raise ValueError(f"group {g.group_id} holds layers up to {pos}, the model has {num_layers}")
+
+
+def assign_layers(instances: Sequence[Instance], model: ModelCost) -> tuple[Assignment, ...]:
+    """A balanced contiguous split among ``instances``, in a pipeline order that keeps new ranges inside the
+    old ones where possible (ordered by the midpoint of the old range, then start, then id)."""
+    order = sorted(instances, key=lambda i: (i.layer_start + i.layer_end, i.layer_start, i.instance_id))
+    out = []
+    for inst, (s, e) in zip(order, balanced_split(model.num_layers, len(order))):
+        old = inst.range
+        drop, load = _minus(old, (s, e)), _minus((s, e), old)
+        out.append(Assignment(inst.instance_id, s, e, old[0], old[1], drop, load,
+                              model.bytes_of(*old) - model.bytes_of(s, e)))
+    return tuple(out)
+
+
+def _unchanged(g: Group) -> PlannedGroup:
+    return PlannedGroup(g.group_id, tuple(Assignment(i.instance_id, i.layer_start, i.layer_end, i.layer_start,
+                                                     i.layer_end, (), (), 0) for i in g.instances), (g.group_id,))
+
+
+# ---------------------------------------------------------------------- drop
+
+
+def plan_drop(groups: Sequence[Group], model: ModelCost, required_bytes: int | None = None, *,
+              required_blocks: int | None = None, max_group_size: int | None = None) -> DropPlan:
+    """KunServe Fig. 6. R in bytes, or in whole-model KV blocks (converted with ``model.block_bytes``)."""
+    if (required_bytes is None) == (required_blocks is None):
+        raise ValueError("give exactly one of required_bytes and required_blocks")
+    r = required_bytes if required_bytes is not None else model.blocks_to_bytes(required_blocks)
+    if r < 0:
+        raise ValueError("the requirement must be >= 0")
+    ids = [g.group_id for g in groups]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate group ids in {ids}")
+    seen: set[str] = set()
+    for g in groups:
+        _check_group(g, model.num_layers)
+        for i in g.instances:
+            if i.instance_id in seen:
+                raise ValueError(f"instance {i.instance_id} is in two groups")
+            seen.add(i.instance_id)
+    limit = model.num_layers if max_group_size is None else min(max_group_size, model.num_layers)
+
+    # heap entries: (size, group id, instances, ids of the original groups merged into it)
+    heap = [(g.size, g.group_id, g.instances, (g.group_id,)) for g in groups]
+    heapq.heapify(heap)
+    freed, merges = 0, []
+    while len(heap) >= 2 and freed < r:
+        if heap[0][0] + min(heap[1:3])[0] > limit:  # the second smallest is a child of the root
+            break  # the smallest possible merge is already too deep a pipeline
+        s0, id0, inst0, from0 = heapq.heappop(heap)
+        s1, id1, inst1, from1 = heapq.heappop(heap)
+        held0 = {layer for i in inst0 for layer in range(*i.range)}
+        held1 = {layer for i in inst1 for layer in range(*i.range)}
+        duplicated = held0 & held1
+        freed += sum(model.bytes_of(layer, layer + 1) for layer in duplicated)
+        new_id = min(id0, id1)
+        merges.append((id0, id1, new_id))
+        heapq.heappush(heap, (s0 + s1, new_id, inst0 + inst1, from0 + from1))
+
+    by_id = {g.group_id: g for g in groups}
+    planned = []
+    for size, gid, insts, merged_from in sorted(heap, key=lambda e: e[1]):
+        if len(merged_from) == 1:
+            planned.append(_unchanged(by_id[gid]))
+        else:
+            planned.append(PlannedGroup(gid, assign_layers(insts, model), tuple(sorted(merged_from))))
+    load = sum(model.bytes_of(*rng) for g in planned for m in g.members for rng in m.load)
+    return DropPlan(tuple(planned), tuple(merges), r, freed, freed >= r, load)
+
+
+# ---------------------------------------------------------------------- restore
+
+
+def plan_restore(group: Group, model: ModelCost, parts: int | None = None) -> RestorePlan:
+    """Split ``group`` into ``parts`` groups (default: one full instance per member). Part k takes every
+    parts-th member in pipeline order starting at k, so each part already spans the model and loads as
+    little as possible; each part gets a balanced split; missing layers come from their current holder."""
+    _check_group(group, model.num_layers)
+    n = group.size
+    parts = n if parts is None else parts
+    if not 0 < parts <= n:
+        raise ValueError(f"cannot split group {group.group_id} of {n} into {parts} parts")
+    holders = sorted(group.instances, key=lambda i: i.layer_start)
+    planned, sources, load_bytes = [], {}, 0
+    for k in range(parts):
+        members = holders[k::parts]  # round-robin over the pipeline: each part already spans the model
+        assigned = assign_layers(members, model)
+        gid = group.group_id if k == 0 else next(
+            (m.instance_id for m in members if m.instance_id != group.group_id), f"{group.group_id}.{k}")
+        planned.append(PlannedGroup(gid, assigned, (group.group_id,)))
+        for a in assigned:
+            segs = []
+            for lo, hi in a.load:
+                for h in holders:
+                    s, e = max(lo, h.layer_start), min(hi, h.layer_end)
+                    if s < e:
+                        segs.append((s, e, h.instance_id))
+            sources[a.instance_id] = tuple(segs)
+            load_bytes += sum(model.bytes_of(lo, hi) for lo, hi in a.load)
+    return RestorePlan(group.group_id, tuple(planned), sources, load_bytes)
