@@ -75,7 +75,7 @@ def render_status(status) -> None:
 def cmd_status(args: argparse.Namespace) -> None:
     status = _rpc(_address(args), lambda stub: stub.GetStatus(common_pb2.Empty(), timeout=args.timeout))
     if args.json:
-        print(json.dumps(MessageToDict(status, preserving_proto_field_name=True)))
+        print(json.dumps(MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
     else:
         render_status(status)
 
@@ -138,7 +138,7 @@ def render_change(c) -> None:
 
 def _print(msg, as_json: bool, render) -> None:
     if as_json:
-        print(json.dumps(MessageToDict(msg, preserving_proto_field_name=True)))
+        print(json.dumps(MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
     else:
         render(msg)
 
