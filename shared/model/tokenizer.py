@@ -87,8 +87,9 @@ class HFTokenizer:
 
 def load_tokenizer(model_path: str | None, vocab_size: int | None = None) -> Tokenizer | None:
     """The tokenizer for a model source: embedded (None) -> ByteTokenizer; a directory -> its
-    tokenizer.json, else a ByteTokenizer when the vocabulary holds the byte ids and BOS/EOS (vocab_size
-    from the argument or the directory's config.json), else None (the model takes token-id prompts only)."""
+    tokenizer.json, else None: the model then takes token-id prompts only. (A byte-level fallback
+    would silently feed a real model's vocabulary ids that mean something else.) vocab_size is
+    accepted for API compatibility and unused."""
     if not model_path:
         return ByteTokenizer()
     d = pathlib.Path(model_path)
@@ -99,11 +100,4 @@ def load_tokenizer(model_path: str | None, vocab_size: int | None = None) -> Tok
             return HFTokenizer(d / "tokenizer.json")
         except Exception as exc:  # tokenizers raises a bare Exception for malformed files
             raise ValueError(f"{d / 'tokenizer.json'}: cannot load: {exc}") from None
-    if vocab_size is None and (d / "config.json").is_file():
-        try:
-            vocab_size = int(json.loads((d / "config.json").read_text()).get("vocab_size", 0))
-        except (ValueError, TypeError):
-            vocab_size = None
-    if vocab_size is not None and vocab_size >= BYTE_SPECIALS:
-        return ByteTokenizer(vocab_size)
     return None
