@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 
 from kunserve.services.common import load_service_config, service_arg_parser
 from kunserve.services.monitor.servicer import MonitorServicer

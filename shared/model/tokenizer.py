@@ -7,7 +7,6 @@ halfway through a multi-byte character).
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Protocol, Sequence
 
