@@ -37,7 +37,7 @@ def test_round_trip_matches_reference(tmp_path, cfg):
     assert loaded.keys() == w.keys() and all(torch.equal(loaded[k], w[k]) for k in w)
     assert ("lm_head.weight" in loaded) != cfg.tie_word_embeddings
     src_cfg, load_weights, tokenizer = load_model_source(str(tmp_path))
-    assert isinstance(tokenizer, ByteTokenizer)  # no tokenizer.json, and the byte ids fit the vocabulary
+    assert tokenizer is None  # no tokenizer.json: token-id prompts only
     eng = Engine(src_cfg, load_weights(), num_kv_blocks=32, block_size=8)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     got = eng.generate([EngineRequest("r", prompt, SamplingParams(max_tokens=8, ignore_eos=True))])["r"]
