@@ -57,6 +57,13 @@ def cmd_up(args: argparse.Namespace) -> None:
                       progress=lambda c: console.print(f"  [green]healthy[/] {c.name:<16} {c.address}"))
     except ClusterStartError as exc:
         _fail(f"cluster failed to start: {exc}")
+    except KeyboardInterrupt:  # LocalCluster.start already stopped what it had started
+        print("kunserve: interrupted while starting; stopped", file=sys.stderr)
+        raise SystemExit(130) from None
+    # From here on Ctrl-C / SIGTERM only set a flag: the loop below stops the cluster cleanly.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     table = Table(title="KunServe local cluster", show_lines=False)
     table.add_column("service")
     table.add_column("address")
@@ -70,16 +77,13 @@ def cmd_up(args: argparse.Namespace) -> None:
         console.print(f"\n[bold]Demo[/]: streaming {args.demo_tokens} tokens for the prompt {DEMO_PROMPT!r}")
         code = _generate_to_terminal(cfg.dispatcher.address, client.make_request(
             DEMO_PROMPT, max_tokens=args.demo_tokens, ignore_eos=True), as_json=False, timeout=120)
-        if code:
+        if code or stop.is_set():
             cluster.stop()
             raise SystemExit(code)
     if args.exit_after_demo:
         cluster.stop()
         return
     console.print("\nServing. Press Ctrl-C to stop.")
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     reported: set[str] = set()
     while not stop.wait(0.5):
         for c in cluster.dead_children():

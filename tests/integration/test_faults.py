@@ -95,3 +95,35 @@ def test_unreachable_cluster_is_a_one_line_cli_error():
                  ["-m", "kunserve.cli.kunctl", "--address", addr, "--timeout", "3", "status"]):
         out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and "UNAVAILABLE" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_kunserve_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
+    """The README's launcher: health-checked start, endpoints printed, Ctrl-C stops every child with exit 0."""
+    import os
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "kunserve.cli.main", "up", "--free-ports", "--run-dir",
+                             str(tmp_path), "--demo", "--demo-tokens", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "COLUMNS": "200"})
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Press Ctrl-C" in line:
+                break
+        assert any("Press Ctrl-C" in ln for ln in lines), "".join(lines)
+        assert any("finish: length" in ln for ln in lines), "".join(lines)  # the demo streamed
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, rest
+    stopped = [ln for ln in rest.splitlines() if ln.startswith("Stopped:")]
+    assert stopped and all(part.endswith("=0") for part in stopped[0][len("Stopped: "):].split(", ")), rest
