@@ -136,3 +136,24 @@ def test_fused_source_concatenates_hf_tensors():
     qkv = get("model.layers.0.self_attn.qkv_proj.weight")
     assert torch.equal(qkv[: w["model.layers.0.self_attn.q_proj.weight"].shape[0]],
                        w["model.layers.0.self_attn.q_proj.weight"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a lent GPU machine)")
+def test_worker_instance_on_the_cuda_pool():
+    """The worker's path on a GPU: cuda VMM pool, engine on device views, drop/restore, reference tokens."""
+    src = load_model_source(None)
+    inst = PooledInstance(src, layer_range=(0, 4), pool_bytes=256 * MIB, page_size=2 * MIB, block_size=16,
+                          backend="cuda", device="cuda")
+    try:
+        assert inst.layout.layer_cache(0).device.type == "cuda"
+        ref, margins = reference(inst, 12)
+        compare_greedy(generate(inst, "g0", 12), ref, margins)
+        change = inst.drop([2, 3])
+        assert change.result.new_num_blocks > change.result.old_num_blocks
+        inst.restore([2, 3], "host")
+        compare_greedy(generate(inst, "g1", 12), ref, margins)
+        inst.drop([0])
+        inst.restore([0], "checkpoint")
+        compare_greedy(generate(inst, "g2", 12), ref, margins)
+    finally:
+        inst.close()
