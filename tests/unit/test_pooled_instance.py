@@ -22,7 +22,8 @@ PROMPT = [11, 22, 33, 44, 55]
 @pytest.fixture
 def inst():
     src = load_model_source(None)
-    i = PooledInstance(src, layer_range=(0, 4), pool_bytes=24 * MIB, page_size=256 * 1024, block_size=16)
+    i = PooledInstance(src, layer_range=(0, 4), pool_bytes=24 * MIB, page_size=256 * 1024, block_size=16,
+                       backend="host")
     yield i
     i.close()
 
