@@ -13,8 +13,10 @@ by recompute (vLLM's default): its blocks are freed and it goes back to the wait
 order (ahead of every later arrival) with its generated tokens appended to the tokens to re-prefill.
 Re-prefilling prompt + generated gives the same greedy continuation. Nothing is ever dropped.
 
-The budget is pluggable (`TokenBudget`): the fixed `max_num_batched_tokens` now, an SLO-aware
-latency model (ConServe's k1..k5 fit) later.
+The budget is pluggable (`TokenBudget`): the fixed `max_num_batched_tokens` (the default), or the
+SLO-aware `SLOTokenBudget` (shared/engine/budget.py, ConServe's k1..k5 fit), which also sizes each
+prompt chunk through the optional `chunk_limit` hook: a chunk deep into a long prompt costs more
+(attention over its prefix) than a fresh one of the same length.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kunserve.shared.costmodel import BatchShape
 from kunserve.shared.engine.api import EngineRequest, InvalidRequest
 from kunserve.shared.engine.kv_cache import BlockAllocator, BlockTable, blocks_needed
 
@@ -33,7 +36,11 @@ class TokenBudget(Protocol):
     num_decodes: decoding sequences this step (each costs one token);
     decode_context_tokens: their total context length (attention cost grows with it);
     A latency-model budget answers the largest token count whose predicted iteration time stays
-    under the TBT SLO; the fixed budget ignores both."""
+    under the TBT SLO; the fixed budget ignores both.
+
+    Optional hook, used when present: `chunk_limit(shape, prefix, want) -> int`, the most of `want`
+    tokens of a prompt chunk whose first `prefix` tokens are cached that may join a batch already
+    holding `shape` (a `costmodel.BatchShape` of the chunks scheduled so far)."""
 
     def max_tokens_for(self, num_decodes: int, *, decode_context_tokens: int = 0) -> int: ...
 
@@ -204,6 +211,8 @@ class Scheduler:
         decodes = [s for s in self.running if s.remaining == 1]
         budget = self.budget.max_tokens_for(len(decodes),
                                             decode_context_tokens=sum(len(s.tokens) for s in decodes))
+        chunk_limit = getattr(self.budget, "chunk_limit", None)
+        shape = BatchShape()  # what this step holds so far, for the latency-model budget
         used = 0
         in_batch: set[int] = set()
         preemptions_before = self.num_preemptions
@@ -221,6 +230,7 @@ class Scheduler:
             else:
                 out.append(ScheduledChunk(seq, 1))
                 in_batch.add(id(seq))
+                shape.add(1, seq.num_computed)
                 used += 1
         # 2. prompt chunks in arrival order: partially prefilled running sequences first, then waiting ones
         #    (not after a preemption in this step: memory is short, re-admitting would only thrash).
@@ -234,6 +244,8 @@ class Scheduler:
             n = min(seq.remaining, budget - used)
             if cfg.max_prefill_chunk:
                 n = min(n, cfg.max_prefill_chunk)
+            if chunk_limit is not None and n > 0:
+                n = min(n, chunk_limit(shape, seq.num_computed, n))
             if not admitting:
                 # a running sequence may take blocks from newer running ones that are not in this batch
                 while self._room(seq) < n and self._preempt_newest(seq, in_batch):
@@ -252,6 +264,7 @@ class Scheduler:
                 self._insert(self.running, seq)
             out.append(ScheduledChunk(seq, n))
             in_batch.add(id(seq))
+            shape.add(n, seq.num_computed)
             used += n
         return out
 
