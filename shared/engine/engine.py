@@ -5,8 +5,11 @@ blocks, the runner computes one flat token batch (decodes first, then chunks), t
 token for every sequence whose KV is complete. Not thread-safe by itself; `EngineLoop` runs it on a
 dedicated thread and feeds it commands between iterations.
 
-The runner already handles any layer range; this class drives the whole model (one instance). A
-pipeline head would split `_forward` at the runner boundary and ship hidden states between stages.
+The runner already handles any layer range; this class drives the whole model (one instance). The
+in-process pipeline (shared/engine/pipeline.py) splits the forward at runner boundaries instead.
+
+Busy / idle accounting (`busy_idle()`): an iteration is busy from scheduling to the sampled tokens;
+idle time while requests were queued is this instance's "bubble" (accounting.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Iterable
 
 import torch
 
+from kunserve.shared.engine.accounting import BusyIdle, BusyIdleClock
 from kunserve.shared.engine.api import EngineRequest, EngineStats, FinishReason, InvalidRequest, TokenEvent
 from kunserve.shared.engine.attention import build_metadata
 from kunserve.shared.engine.kv_cache import BlockAllocator, BlockTable, KVStorage, TorchKVStorage
@@ -62,6 +66,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
+        self.clock = BusyIdleClock()
 
     # -- requests -------------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -80,6 +85,7 @@ class Engine:
         seq = Sequence(request, list(request.prompt_token_ids), BlockTable(self.block_size), generator=gen)
         self.seqs[request.request_id] = seq
         self.scheduler.add(seq)
+        self.clock.work_waiting()
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
@@ -94,6 +100,15 @@ class Engine:
     # -- one iteration ----------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         """One iteration; returns the tokens it produced (finished requests have left already)."""
+        if not self.seqs:
+            return []
+        self.clock.begin_busy()
+        try:
+            return self._step()
+        finally:
+            self.clock.end_busy(still_waiting=bool(self.seqs))
+
+    def _step(self) -> list[TokenEvent]:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -182,6 +197,10 @@ class Engine:
             seq.block_table.remap(mapping)
 
     # -- observation ------------------------------------------------------------------------------------
+    def busy_idle(self) -> BusyIdle:
+        """Busy, idle and bubble seconds since the engine was built (safe from any thread)."""
+        return self.clock.snapshot()
+
     def stats(self) -> EngineStats:
         sch = self.scheduler
         return EngineStats(
