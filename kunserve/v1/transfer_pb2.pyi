@@ -23,7 +23,7 @@ TRANSFER_KIND_CHECKPOINT: TransferKind
 TRANSFER_KIND_CONTROL: TransferKind
 
 class TransferHeader(_message.Message):
-    __slots__ = ("kind", "message_id", "chunk_index", "chunk_count", "offset", "chunk_bytes", "total_bytes", "dtype", "shape", "request_ids", "layer_start", "layer_end", "epoch", "name", "source")
+    __slots__ = ("kind", "message_id", "chunk_index", "chunk_count", "offset", "chunk_bytes", "total_bytes", "payload_inline", "dtype", "shape", "request_ids", "layer_start", "layer_end", "epoch", "name", "source")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class TransferHeader(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_INLINE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +47,7 @@ class TransferHeader(_message.Message):
     offset: int
     chunk_bytes: int
     total_bytes: int
+    payload_inline: bool
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -54,4 +56,4 @@ class TransferHeader(_message.Message):
     epoch: int
     name: str
     source: str
-    def __init__(self, kind: _Optional[_Union[TransferKind, str]] = ..., message_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., offset: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., epoch: _Optional[int] = ..., name: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[TransferKind, str]] = ..., message_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., offset: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., payload_inline: _Optional[bool] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., epoch: _Optional[int] = ..., name: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...

@@ -1,12 +1,15 @@
 """Wire framing for the transfer service: pure, no I/O.
 
-A message is sent as one or more chunks. Each chunk is two UCX messages on one endpoint:
+A message is sent as one or more chunks. Each chunk is one or two UCX messages on one endpoint:
 
-1. a header frame on ``TAG_HEADER``: ``b"KTX1"`` + uint32 little-endian length ``n`` + ``n`` bytes of a
-   serialized ``kunserve.v1.TransferHeader``. Frames are at most ``HEADER_FRAME_MAX`` bytes; the receiver
-   posts one buffer of that size and reads the length from the prefix (UCX accepts a shorter message).
-2. when ``chunk_bytes > 0``: exactly ``chunk_bytes`` raw payload bytes on ``TAG_PAYLOAD``, received straight
-   into the destination tensor at byte ``offset`` (no intermediate copy).
+1. a frame on ``TAG_HEADER``: ``b"KTX1"`` + uint32 little-endian length ``n`` + ``n`` bytes of a serialized
+   ``kunserve.v1.TransferHeader`` (at most ``HEADER_MAX``), followed, when ``payload_inline`` is set, by the
+   chunk's ``chunk_bytes`` payload bytes. Frames are at most ``FRAME_MAX`` bytes; the receiver posts one
+   buffer of that size and reads the lengths from the frame (UCX accepts a shorter message). Inlining
+   saves a message (and a rendezvous) for small chunks such as activations; the receiver copies the
+   inline bytes into the destination.
+2. when ``chunk_bytes > 0`` and not inline: exactly ``chunk_bytes`` raw payload bytes on ``TAG_PAYLOAD``,
+   received straight into the destination tensor at byte ``offset`` (no intermediate copy).
 
 Tensors travel as raw bytes described by the header (dtype name, shape); nothing is ever unpickled.
 """
@@ -24,7 +27,9 @@ from kunserve.v1 import transfer_pb2
 
 MAGIC = b"KTX1"
 _PREFIX = struct.Struct("<4sI")
-HEADER_FRAME_MAX = 64 * 1024
+HEADER_MAX = 64 * 1024             # serialized header
+INLINE_MAX = 256 * 1024            # the most payload a frame can carry inline
+FRAME_MAX = _PREFIX.size + HEADER_MAX + INLINE_MAX
 TAG_HEADER = 1
 TAG_PAYLOAD = 2
 
@@ -79,30 +84,49 @@ def itemsize(name: str) -> int:
     return torch.empty((), dtype=torch_dtype(name)).element_size()
 
 
-def encode_header(header: transfer_pb2.TransferHeader) -> bytes:
+def encode_frame(header: transfer_pb2.TransferHeader, inline: Any = None) -> bytearray:
+    """The frame for ``header``; with ``inline`` (a uint8 buffer of chunk_bytes) the payload rides along
+    and ``payload_inline`` is set."""
+    if inline is not None:
+        header.payload_inline = True
     body = header.SerializeToString()
-    if _PREFIX.size + len(body) > HEADER_FRAME_MAX:
-        raise FramingError(f"transfer header is {len(body)} bytes, more than the {HEADER_FRAME_MAX}-byte frame "
+    if len(body) > HEADER_MAX:
+        raise FramingError(f"transfer header is {len(body)} bytes, more than {HEADER_MAX} "
                            f"(too many request ids in one message?)")
-    return _PREFIX.pack(MAGIC, len(body)) + body
+    n_inline = 0 if inline is None else len(memoryview(inline).cast("B"))
+    if inline is not None and (n_inline != header.chunk_bytes or n_inline > INLINE_MAX):
+        raise FramingError(f"inline payload of {n_inline} bytes for a chunk of {header.chunk_bytes} "
+                           f"(at most {INLINE_MAX} inline)")
+    frame = bytearray(_PREFIX.size + len(body) + n_inline)
+    _PREFIX.pack_into(frame, 0, MAGIC, len(body))
+    frame[_PREFIX.size:_PREFIX.size + len(body)] = body
+    if n_inline:
+        frame[_PREFIX.size + len(body):] = memoryview(inline).cast("B")
+    return frame
 
 
-def decode_header(frame: Any) -> transfer_pb2.TransferHeader:
-    """Parse a header frame from a buffer that may be longer than the frame (the posted receive buffer)."""
-    mv = memoryview(frame).cast("B")
+def decode_frame(buf: Any) -> tuple[transfer_pb2.TransferHeader, memoryview | None]:
+    """Parse a frame from a buffer that may be longer than the frame (the posted receive buffer).
+    Returns the header and, when the payload is inline, a view of it inside ``buf``."""
+    mv = memoryview(buf).cast("B")
     if len(mv) < _PREFIX.size:
-        raise FramingError("header frame shorter than its prefix")
+        raise FramingError("frame shorter than its prefix")
     magic, n = _PREFIX.unpack_from(mv, 0)
     if magic != MAGIC:
-        raise FramingError(f"bad header magic {bytes(magic)!r}")
-    if _PREFIX.size + n > len(mv):
+        raise FramingError(f"bad frame magic {bytes(magic)!r}")
+    if n > HEADER_MAX or _PREFIX.size + n > len(mv):
         raise FramingError(f"header length {n} exceeds the frame")
     header = transfer_pb2.TransferHeader()
     try:
         header.ParseFromString(bytes(mv[_PREFIX.size:_PREFIX.size + n]))
     except Exception as exc:  # protobuf's DecodeError
         raise FramingError(f"undecodable transfer header: {exc}") from None
-    return header
+    if not header.payload_inline:
+        return header, None
+    start = _PREFIX.size + n
+    if header.chunk_bytes > INLINE_MAX or start + header.chunk_bytes > len(mv):
+        raise FramingError(f"inline payload of {header.chunk_bytes} bytes exceeds the frame")
+    return header, mv[start:start + header.chunk_bytes]
 
 
 def validate_first_chunk(header: transfer_pb2.TransferHeader) -> None:

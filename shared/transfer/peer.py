@@ -8,6 +8,9 @@ Listens (UCX), prints ``TRANSFER_PEER_READY {"port": N, "name": ...}`` on stdout
   ``{"recv": [[t, kind, message_id, chunk_index, nbytes, last], ...], "stats": {...}}`` (receive trace,
   ``t`` from time.perf_counter(), comparable across processes on one host), and the trace is cleared;
 - CONTROL ``"exit"`` (or stdin reaching EOF, e.g. the parent died) closes the service and exits.
+
+``--kv-pool-mib N`` receives KV_EXCHANGE messages into one preallocated, pre-touched buffer (as a worker
+receives into its KV cache) instead of a fresh tensor per message.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import asyncio
 import json
 import sys
 import threading
+from typing import Any
+
+import torch
 
 from kunserve.shared.log import configure_logging
 
-from .framing import ACTIVATION, CHECKPOINT, CONTROL, KV_EXCHANGE, WEIGHTS
+from .framing import ACTIVATION, CHECKPOINT, CONTROL, KV_EXCHANGE, WEIGHTS, torch_dtype
 from .service import Received, TransferConfig, TransferService
 
 READY = "TRANSFER_PEER_READY "
@@ -57,6 +63,16 @@ async def serve(args: argparse.Namespace) -> None:
         elif msg.header.name == "exit":
             stop.set()
 
+    if args.kv_pool_mib:
+        pool = torch.zeros(args.kv_pool_mib << 20, dtype=torch.uint8)  # zeros: pages touched up front
+
+        def into_pool(peer: str, header: Any) -> Any:
+            if header.total_bytes > pool.numel() or header.name == "echo":
+                return None
+            dtype = torch_dtype(header.dtype)
+            return pool[:header.total_bytes].view(dtype).view(list(header.shape))
+
+        svc.set_allocator(KV_EXCHANGE, into_pool)
     for kind in (ACTIVATION, KV_EXCHANGE, WEIGHTS, CHECKPOINT):
         svc.on_message(kind, on_data)
     svc.on_message(CONTROL, on_control)
@@ -76,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-chunk-bytes", type=int, default=64 * 1024)
     ap.add_argument("--max-chunk-bytes", type=int, default=64 << 20)
     ap.add_argument("--trace", type=int, default=100_000)
+    ap.add_argument("--kv-pool-mib", type=int, default=0, help="receive KV_EXCHANGE into a preallocated buffer")
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
     configure_logging("transfer-peer", level=args.log_level)  # logs to stderr; stdout carries the port line

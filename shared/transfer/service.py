@@ -36,8 +36,8 @@ from kunserve.shared.log import get_logger
 from kunserve.v1 import transfer_pb2
 
 from .endpoint import Endpoint, EndpointClosed, Transport
-from .framing import (CONTROL, HEADER_FRAME_MAX, KINDS, TAG_HEADER, TAG_PAYLOAD, FramingError, Kind, byte_view,
-                      decode_header, encode_header, kind_name, tensor_meta, torch_dtype, validate_chunk,
+from .framing import (CONTROL, FRAME_MAX, INLINE_MAX, KINDS, TAG_HEADER, TAG_PAYLOAD, FramingError, Kind, byte_view,
+                      decode_frame, encode_frame, kind_name, tensor_meta, torch_dtype, validate_chunk,
                       validate_first_chunk)
 from .scheduler import KiB, MiB, ChunkSizer, OutgoingMessage, PriorityScheduler
 
@@ -60,12 +60,17 @@ class TransferConfig:
     target_chunk_s: float = 0.005      # about one pipeline stage's execution time
     min_chunk_bytes: int = 64 * KiB
     max_chunk_bytes: int = 64 * MiB
-    initial_bps: float = 1e9           # throughput guess before the first measurement
+    initial_bps: float = 5e8           # throughput guess before the first measurement (TCP-ish: start small)
     ewma_alpha: float = 0.3
     connect_timeout_s: float = 10.0
     chunk_timeout_s: float = 30.0      # one chunk on the wire longer than this = the link is dead
     close_timeout_s: float = 5.0
     trace_len: int = 0                 # keep the last N TraceEvents (tests, benchmarks); 0 = off
+    inline_max_bytes: int = 64 * KiB   # chunks up to this size ride in the header frame (one message)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.inline_max_bytes <= INLINE_MAX:
+            raise ValueError(f"inline_max_bytes must be in [0, {INLINE_MAX}]")
 
     def sizer(self) -> ChunkSizer:
         return ChunkSizer(target_s=self.target_chunk_s, min_bytes=self.min_chunk_bytes,
@@ -163,6 +168,15 @@ class _Peer:
     messages_received: int = 0
 
 
+def _copy_into(view: Any, offset: int, data: memoryview) -> None:
+    if not len(data):
+        return
+    if isinstance(view, np.ndarray):
+        view[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+    else:  # a CUDA byte view
+        view[offset:offset + len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
+
+
 class TransferService:
     def __init__(self, name: str, transport: Transport | None = None, config: TransferConfig | None = None,
                  host: str = "127.0.0.1") -> None:
@@ -224,7 +238,7 @@ class TransferService:
         try:
             async with asyncio.timeout(timeout):
                 await self._send_control(ep, HELLO)
-                h = await self._recv_header(ep, np.empty(HEADER_FRAME_MAX, np.uint8))
+                h, _ = await self._recv_frame(ep, np.empty(FRAME_MAX, np.uint8))
             if h.kind != CONTROL or h.name != HELLO or not h.source:
                 raise FramingError(f"expected a hello, got {kind_name(h.kind)} {h.name!r}")
         except Exception as exc:
@@ -245,7 +259,7 @@ class TransferService:
     async def _on_accept(self, ep: Endpoint) -> None:
         try:
             async with asyncio.timeout(self.config.connect_timeout_s):
-                h = await self._recv_header(ep, np.empty(HEADER_FRAME_MAX, np.uint8))
+                h, _ = await self._recv_frame(ep, np.empty(FRAME_MAX, np.uint8))
                 if h.kind != CONTROL or h.name != HELLO or not h.source:
                     raise FramingError(f"expected a hello, got {kind_name(h.kind)} {h.name!r}")
                 await self._send_control(ep, HELLO)
@@ -333,7 +347,7 @@ class TransferService:
             kind=kind, message_id=mid, total_bytes=nbytes, dtype=dtype, shape=shape,
             request_ids=[str(r) for r in request_ids], layer_start=layer_start, layer_end=layer_end, epoch=epoch,
             name=name, source=self.name)
-        encode_header(header)  # fail now, in the caller, if the metadata does not fit a frame
+        encode_frame(header)  # fail now, in the caller, if the metadata does not fit a frame
         handle = SendHandle(peer, kind, mid, nbytes)
         p.scheduler.enqueue(OutgoingMessage(kind, nbytes, mid, payload=payload, meta=(header, handle)))
         self._trace("submit", peer, kind, mid, 0, nbytes, False)
@@ -360,12 +374,12 @@ class TransferService:
     async def _send_control(self, ep: Endpoint, verb: str) -> None:
         h = transfer_pb2.TransferHeader(kind=CONTROL, message_id=next(self._ids), chunk_count=1, dtype="uint8",
                                         shape=[0], name=verb, source=self.name)
-        await ep.send(np.frombuffer(bytearray(encode_header(h)), np.uint8), TAG_HEADER)
+        await ep.send(np.frombuffer(encode_frame(h), np.uint8), TAG_HEADER)
 
     @staticmethod
-    async def _recv_header(ep: Endpoint, buf: np.ndarray) -> transfer_pb2.TransferHeader:
+    async def _recv_frame(ep: Endpoint, buf: np.ndarray) -> tuple[transfer_pb2.TransferHeader, memoryview | None]:
         await ep.recv(buf, TAG_HEADER)
-        return decode_header(buf)
+        return decode_frame(buf)
 
     async def _send_loop(self, p: _Peer) -> None:
         sched = p.scheduler
@@ -386,13 +400,15 @@ class TransferService:
                                                     total_bytes=msg.total_bytes)
                 h.chunk_index, h.chunk_count = chunk.index, chunk.count
                 h.offset, h.chunk_bytes = chunk.offset, chunk.nbytes
-                frame = np.frombuffer(bytearray(encode_header(h)), np.uint8)
+                part = msg.payload[chunk.offset:chunk.offset + chunk.nbytes] if chunk.nbytes else None
+                inline = part is not None and chunk.nbytes <= self.config.inline_max_bytes and isinstance(part, np.ndarray)
+                frame = np.frombuffer(encode_frame(h, part if inline else None), np.uint8)
                 t0 = time.perf_counter()
                 try:
                     async with asyncio.timeout(self.config.chunk_timeout_s):
                         await p.endpoint.send(frame, TAG_HEADER)
-                        if chunk.nbytes:
-                            await p.endpoint.send(msg.payload[chunk.offset:chunk.offset + chunk.nbytes], TAG_PAYLOAD)
+                        if part is not None and not inline:
+                            await p.endpoint.send(part, TAG_PAYLOAD)
                 except TimeoutError:
                     raise TransferError(p.name, f"{kind_name(msg.kind)} chunk {chunk.index} of message "
                                                 f"{msg.message_id} not sent within {self.config.chunk_timeout_s} s")
@@ -409,11 +425,11 @@ class TransferService:
             self._fail_peer(p, exc, "send")
 
     async def _recv_loop(self, p: _Peer, ep: Endpoint) -> None:
-        buf = np.empty(HEADER_FRAME_MAX, np.uint8)
+        buf = np.empty(FRAME_MAX, np.uint8)
         inbound: dict[int, _Inbound] = {}
         try:
             while True:
-                h = await self._recv_header(ep, buf)
+                h, inline = await self._recv_frame(ep, buf)
                 if h.chunk_index == 0:
                     if h.kind == CONTROL and h.name == BYE and h.total_bytes == 0:
                         self._log.info("transfer_peer_closed", peer=p.name, partial_messages=len(inbound))
@@ -433,7 +449,9 @@ class TransferService:
                 validate_chunk(h, total, state.received)
                 if h.chunk_bytes == 0 and total > 0:
                     raise FramingError(f"message {h.message_id}: empty chunk {h.chunk_index}")
-                if h.chunk_bytes:
+                if inline is not None:
+                    _copy_into(state.view, h.offset, inline)
+                elif h.chunk_bytes:
                     await ep.recv(state.view[h.offset:h.offset + h.chunk_bytes], TAG_PAYLOAD)
                 state.received += h.chunk_bytes
                 p.bytes_received += h.chunk_bytes

@@ -2,17 +2,28 @@
 
 ucxx is imported lazily: a process that never opens the data plane does not need it. Defaults applied
 before the first import unless the environment already sets them (see MEASURED.md):
-``UCXPY_PROGRESS_MODE=blocking`` (best latency; ``thread-polling`` starves a 2-core machine),
-``UCX_TLS=tcp`` (works everywhere, no GPU needed; set e.g. ``UCX_TLS=rc,cuda_copy,cuda_ipc,tcp`` on a GPU
-cluster), ``UCX_WARN_UNUSED_ENV_VARS=n``.
+``UCXPY_PROGRESS_MODE=blocking``, ``UCX_TLS=tcp`` (works everywhere, no GPU needed; on a GPU cluster set
+e.g. ``UCX_TLS=rc,cuda_copy,cuda_ipc,tcp``), ``UCX_WARN_UNUSED_ENV_VARS=n``.
 
-One UCX context per process, progressed by the asyncio loop that first uses it.
+Progress. ucxx's own ``Endpoint.send/recv`` wait in ``wait_yield`` (``while not done: await sleep(0)``)
+in blocking mode, and its blocking progress task arms the worker only once. A transfer service always
+has a receive posted, so that spins the event loop: ~45% of a core per idle process here, and messages
+that wait for the next accidental progress call (5–20 ms for 64 KiB). So ``UcxEndpoint`` posts tag
+requests itself and ``_Progress`` completes them: the asyncio loop watches the UCX worker's epoll fd;
+on every event, and right after posting a request, it progresses the worker, resolves the futures of
+completed requests, and re-arms the worker (``ucp_worker_arm``), repeating while arming reports pending
+events. An idle process then uses ~0% CPU and a message is handled as soon as its bytes arrive. A slow
+safety sweep (``SAFETY_SWEEP_S``) runs while requests are pending, in case an event is ever missed.
+ucxx's own progress machinery still runs for connection setup; our fd reader replaces its reader.
+
+Tags: the same per-connection tags as ``ucxx.Endpoint.send/recv(tag=t)`` (``hash64bits(ep tag, hash(t))``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import weakref
 from typing import Any
 
 from .endpoint import AcceptCallback, EndpointClosed
@@ -22,10 +33,15 @@ UCX_ENV_DEFAULTS = {
     "UCX_TLS": "tcp",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
+SAFETY_SWEEP_S = 0.05
 
 
 class UcxUnavailable(ImportError):
     pass
+
+
+class UcxLinkError(ConnectionError):
+    """A UCX operation on a live endpoint failed (peer gone, reset, truncated message)."""
 
 
 def import_ucxx() -> Any:
@@ -48,46 +64,126 @@ def ucx_available() -> bool:
     return True
 
 
-class UcxLinkError(ConnectionError):
-    """A UCX operation on a live endpoint failed (peer gone, reset, truncated message)."""
+class _Progress:
+    """Completes tag requests of one UCX worker on one asyncio loop (see the module docstring)."""
+
+    _instances: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Progress]" = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def get(cls, loop: asyncio.AbstractEventLoop) -> _Progress:
+        prog = cls._instances.get(loop)
+        if prog is None:
+            prog = cls._instances[loop] = cls(loop)
+        return prog
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        import ucxx.core
+
+        ctx = ucxx.core._get_ctx()
+        if ctx.progress_mode != "blocking":
+            raise RuntimeError(f"the transfer service needs UCXPY_PROGRESS_MODE=blocking, not {ctx.progress_mode!r}")
+        ctx.continuous_ucx_progress(loop)  # ucxx's own task first, so that our reader replaces its reader
+        self.worker = ctx.worker
+        self.loop = loop
+        self.fd = self.worker.epoll_file_descriptor
+        self.pending: dict[int, tuple[Any, asyncio.Future, Any, Any]] = {}
+        self._next = 0
+        self._safety: asyncio.TimerHandle | None = None
+        loop.add_reader(self.fd, self.sweep)
+        self.sweep()
+
+    def submit(self, request: Any, buf: Any, owner: Any) -> tuple[int, asyncio.Future]:
+        fut = self.loop.create_future()
+        self._next += 1
+        self.pending[self._next] = (request, fut, buf, owner)  # keep the buffer alive until completion
+        self.sweep()
+        return self._next, fut
+
+    def sweep(self) -> None:
+        for _ in range(1000):
+            self.worker.progress()
+            self._resolve()
+            if self.worker.arm():
+                break
+        if self.pending and self._safety is None:
+            self._safety = self.loop.call_later(SAFETY_SWEEP_S, self._safety_sweep)
+
+    def _safety_sweep(self) -> None:
+        self._safety = None
+        self.sweep()
+
+    def _resolve(self) -> None:
+        done = [k for k, (req, fut, _, _) in self.pending.items() if req.completed or fut.done()]
+        for k in done:
+            req, fut, _, _ = self.pending.pop(k)
+            if fut.done():
+                continue
+            try:
+                req.check_error()
+            except Exception as exc:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+
+    def abandon(self, owner: Any, exc: BaseException) -> None:
+        """Fail what ``owner`` still waits for (its endpoint closed and UCX did not complete the requests)."""
+        self.sweep()
+        for k in [k for k, v in self.pending.items() if v[3] is owner]:
+            _, fut, _, _ = self.pending[k]
+            if not fut.done():
+                fut.set_exception(exc)
+            # the entry stays until UCX completes (cancels) the request: its buffer must outlive it
 
 
 class UcxEndpoint:
     def __init__(self, ep: Any, address: str) -> None:
+        from ucxx._lib.arr import Array
+        from ucxx._lib_async.utils import hash64bits
+        from ucxx.types import Tag, TagMaskFull
+
         self._ep = ep
         self._address = address
+        self._Array, self._Tag, self._mask, self._hash = Array, Tag, TagMaskFull, hash64bits
+        self._progress = _Progress.get(asyncio.get_running_loop())
         self.closed = False
 
     @property
     def address(self) -> str:
         return self._address
 
-    async def send(self, buf: Any, tag: int) -> None:
+    def _tag(self, which: str, tag: int) -> Any:
+        return self._Tag(self._hash(self._ep._tags[which], hash(tag)))
+
+    async def _wait(self, op: str, post: Any, buf: Any) -> None:
         if self.closed:
             raise EndpointClosed(f"UCX endpoint to {self._address} is closed")
         try:
-            await self._ep.send(buf, tag=tag)
+            self._ep._ep.raise_on_error()
+            arr = self._Array(buf)
+            _, fut = self._progress.submit(post(arr), arr, self)
+            await fut
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:
             kind = EndpointClosed if self.closed else UcxLinkError
-            raise kind(f"UCX send to {self._address}: {type(exc).__name__}: {exc}") from exc
+            raise kind(f"UCX {op} to {self._address}: {type(exc).__name__}: {exc}") from exc
+
+    async def send(self, buf: Any, tag: int) -> None:
+        t = self._tag("msg_send", tag)
+        await self._wait("send", lambda arr: self._ep._ep.tag_send(arr, t), buf)
 
     async def recv(self, buf: Any, tag: int) -> None:
-        if self.closed:
-            raise EndpointClosed(f"UCX endpoint to {self._address} is closed")
-        try:
-            await self._ep.recv(buf, tag=tag)
-        except Exception as exc:
-            kind = EndpointClosed if self.closed else UcxLinkError
-            raise kind(f"UCX recv to {self._address}: {type(exc).__name__}: {exc}") from exc
+        t = self._tag("msg_recv", tag)
+        await self._wait("recv", lambda arr: self._ep._ep.tag_recv(arr, t, self._mask), buf)
 
     async def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         try:
-            await self._ep.close(period=10**9)  # at most ~1 s per internal step
-        except Exception:
-            self._ep.abort(period=10**9)
+            self._ep.abort(period=10**9)  # cancels outstanding requests; waits at most ~1 s per step
+        finally:
+            self._progress.abandon(self, EndpointClosed(f"UCX endpoint to {self._address} closed"))
 
 
 class UcxTransport:
@@ -104,11 +200,12 @@ class UcxTransport:
             task.add_done_callback(self._tasks.discard)
 
         self._listener = self._ucxx.create_listener(handler, port=port)
+        _Progress.get(asyncio.get_running_loop())
         return int(self._listener.port)
 
     async def connect(self, host: str, port: int, timeout: float) -> UcxEndpoint:
-        ep = await asyncio.wait_for(
-            self._ucxx.create_endpoint(host, port, connect_timeout=timeout), timeout)
+        _Progress.get(asyncio.get_running_loop())
+        ep = await asyncio.wait_for(self._ucxx.create_endpoint(host, port, connect_timeout=timeout), timeout)
         return UcxEndpoint(ep, f"{host}:{port}")
 
     async def close(self) -> None:

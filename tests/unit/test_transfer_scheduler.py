@@ -151,25 +151,38 @@ def test_header_frame_round_trip_through_a_larger_buffer():
     h = transfer_pb2.TransferHeader(kind=KV_EXCHANGE, message_id=7, chunk_index=0, chunk_count=3, total_bytes=96,
                                     dtype="bfloat16", shape=[2, 3, 8], request_ids=["r1", "r2"], layer_start=4,
                                     layer_end=8, epoch=11, name="kv", source="w0")
-    buf = np.zeros(framing.HEADER_FRAME_MAX, np.uint8)
-    frame = framing.encode_header(h)
+    buf = np.zeros(framing.FRAME_MAX, np.uint8)
+    frame = framing.encode_frame(h)
     buf[:len(frame)] = np.frombuffer(frame, np.uint8)
-    assert framing.decode_header(buf) == h
+    assert framing.decode_frame(buf) == (h, None)
     framing.validate_first_chunk(h)
+
+
+def test_inline_payload_rides_in_the_frame():
+    payload = np.arange(96, dtype=np.uint8)
+    h = transfer_pb2.TransferHeader(kind=ACTIVATION, message_id=3, chunk_bytes=96, total_bytes=96, dtype="uint8",
+                                    shape=[96])
+    frame = framing.encode_frame(h, payload)
+    buf = np.zeros(framing.FRAME_MAX, np.uint8)
+    buf[:len(frame)] = np.frombuffer(frame, np.uint8)
+    got, inline = framing.decode_frame(buf)
+    assert got.payload_inline and bytes(inline) == payload.tobytes()
+    with pytest.raises(FramingError, match="inline"):
+        framing.encode_frame(transfer_pb2.TransferHeader(chunk_bytes=10), payload)
 
 
 def test_bad_frames_are_rejected():
     with pytest.raises(FramingError, match="magic"):
-        framing.decode_header(b"XXXX\x00\x00\x00\x00")
+        framing.decode_frame(b"XXXX\x00\x00\x00\x00")
     with pytest.raises(FramingError, match="exceeds"):
-        framing.decode_header(b"KTX1\xff\x00\x00\x00")
+        framing.decode_frame(b"KTX1\xff\x00\x00\x00")
     with pytest.raises(FramingError, match="bytes"):
         framing.validate_first_chunk(transfer_pb2.TransferHeader(kind=ACTIVATION, dtype="float32", shape=[4],
                                                                   total_bytes=15))
     with pytest.raises(FramingError, match="dtype"):
         framing.validate_first_chunk(transfer_pb2.TransferHeader(kind=ACTIVATION, dtype="complex7", shape=[1]))
-    with pytest.raises(FramingError, match="frame"):
-        framing.encode_header(transfer_pb2.TransferHeader(request_ids=["x" * 100] * 1000))
+    with pytest.raises(FramingError, match="request ids"):
+        framing.encode_frame(transfer_pb2.TransferHeader(request_ids=["x" * 100] * 1000))
     with pytest.raises(FramingError, match="offset"):
         framing.validate_chunk(transfer_pb2.TransferHeader(offset=10, chunk_bytes=5), 100, 0)
     with pytest.raises(FramingError, match="overruns"):

@@ -14,7 +14,8 @@ import threading
 import pytest
 import torch
 
-from kunserve.shared.transfer import ACTIVATION, CONTROL, KV_EXCHANGE, WEIGHTS, TransferConfig, TransferService
+from kunserve.shared.transfer import (ACTIVATION, CONTROL, KV_EXCHANGE, WEIGHTS, TransferConfig, TransferError,
+                                      TransferService)
 from kunserve.shared.transfer.peer import READY
 from kunserve.shared.transfer.ucx import ucx_available
 
@@ -25,14 +26,16 @@ pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed")]
 
 
-@pytest.fixture(scope="module")
-def peer():
+def spawn_peer():
     env = dict(os.environ, UCX_TLS="tcp", UCXPY_PROGRESS_MODE="blocking", UCX_WARN_UNUSED_ENV_VARS="n",
                OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "kunserve.shared.transfer.peer", "--name", "peer",
          "--min-chunk-bytes", str(CHUNK), "--max-chunk-bytes", str(CHUNK)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def wait_ready(proc):
     lines = []
     reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
     reader.start()
@@ -42,7 +45,28 @@ def peer():
         if not line.startswith(READY):
             proc.kill()
             raise RuntimeError(f"transfer peer did not start: {line!r} {proc.stderr.read(4000)!r}")
-        yield json.loads(line[len(READY):])["port"]
+        return json.loads(line[len(READY):])["port"]
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
+
+
+@pytest.fixture(scope="module")
+def peer():
+    proc = spawn_peer()
+    try:
+        yield wait_ready(proc)
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture
+def doomed_peer():
+    proc = spawn_peer()
+    try:
+        yield proc, wait_ready(proc)
     finally:
         proc.kill()
         proc.wait(10)
@@ -131,5 +155,26 @@ def test_activations_overtake_a_64mib_kv_exchange_within_one_chunk(peer):
         assert len(kv_chunks) == 64 and sum(r[4] for r in kv_chunks) == 64 * MiB and kv_chunks[-1][5]
         last_act = max(next(i for i, r in enumerate(recv) if r[2] == h.message_id) for h in acts)
         assert sum(1 for r in recv[last_act:] if r[2] == kv.message_id) >= 64 - 42
+
+    run(main())
+
+
+def test_a_dead_peer_fails_pending_sends_naming_it(doomed_peer):
+    proc, port = doomed_peer
+
+    async def main():
+        svc = await connect(port, min_chunk_bytes=CHUNK, max_chunk_bytes=CHUNK, chunk_timeout_s=10)
+        lost = asyncio.Queue()
+        svc.on_peer_lost(lambda peer, err: lost.put_nowait((peer, err)))
+        kv = svc.submit("peer", KV_EXCHANGE, torch.zeros(64 * MiB))  # 256 MiB: still sending when killed
+        await kv.wait_chunks(2, timeout=20)
+        proc.kill()
+        with pytest.raises(TransferError, match="peer peer"):
+            await kv.wait(timeout=20)
+        peer, err = await asyncio.wait_for(lost.get(), 20)
+        assert peer == "peer" and isinstance(err, TransferError)
+        with pytest.raises(TransferError, match="peer peer"):
+            svc.submit("peer", ACTIVATION, torch.zeros(4))
+        await asyncio.wait_for(svc.close(), 20)
 
     run(main())
