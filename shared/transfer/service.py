@@ -547,7 +547,8 @@ class TransferService:
             return
         self._closed = True
         timeout = self.config.close_timeout_s if timeout is None else timeout
-        await self.transport.close()
+        if self._transport is not None:
+            await self._transport.close()
         peers = list(self._peers.values())
         if drain:
             pending = [m.meta[1].done for p in peers for m in self._queued_messages(p)]

@@ -14,7 +14,8 @@ on every event, and right after posting a request, it progresses the worker, res
 completed requests, and re-arms the worker (``ucp_worker_arm``), repeating while arming reports pending
 events. An idle process then uses ~0% CPU and a message is handled as soon as its bytes arrive. A slow
 safety sweep (``SAFETY_SWEEP_S``) runs while requests are pending, in case an event is ever missed.
-ucxx's own progress machinery still runs for connection setup; our fd reader replaces its reader.
+ucxx's blocking-mode progress task is created (ucxx expects it) but its reader is replaced and its
+tasks cancelled, so only this class progresses the worker on this loop.
 
 Tags: the same per-connection tags as ``ucxx.Endpoint.send/recv(tag=t)`` (``hash64bits(ep tag, hash(t))``).
 """
@@ -82,7 +83,15 @@ class _Progress:
         ctx = ucxx.core._get_ctx()
         if ctx.progress_mode != "blocking":
             raise RuntimeError(f"the transfer service needs UCXPY_PROGRESS_MODE=blocking, not {ctx.progress_mode!r}")
-        ctx.continuous_ucx_progress(loop)  # ucxx's own task first, so that our reader replaces its reader
+        ctx.continuous_ucx_progress(loop)  # ucxx's own progress first, so that our reader replaces its reader
+        # and its tasks stop: its once-a-second progress() would complete requests behind our back and
+        # leave the worker unarmed (we would then only notice at the next safety sweep)
+        from ucxx._lib_async.application_context import ProgressTasks
+
+        theirs = ProgressTasks.get(loop)
+        for task in getattr(theirs, "_tasks", ()):
+            if task is not None:
+                task.cancel()
         self.worker = ctx.worker
         self.loop = loop
         self.fd = self.worker.epoll_file_descriptor
