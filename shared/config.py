@@ -63,6 +63,13 @@ class EngineSection:
     max_num_batched_tokens: int = 256  # per-iteration token budget
     max_num_seqs: int = 64
     threads: int = 0  # torch threads per worker; 0 = share of the cores
+    # SLO-aware token budget (ConServe): a cost-model profile file written by `kunserve profile`. With
+    # budget = "auto" a worker whose model / device / layer range / threads match a profile in it keeps
+    # every iteration's predicted latency under budget_headroom * slo.tbt_ms; otherwise (no file, no
+    # match: a warning) it uses the fixed max_num_batched_tokens. "fixed" ignores the profile.
+    profile: str = ""
+    budget: str = "auto"  # auto | fixed
+    budget_headroom: float = 0.9
 
 
 @dataclass
@@ -249,6 +256,12 @@ def validate(cfg: ClusterConfig) -> None:
         raise ConfigError(f"{src}: engine.memory_backend must be auto, host or cuda, got {e.memory_backend!r}")
     if e.threads < 0:
         raise ConfigError(f"{src}: engine.threads must be >= 0, got {e.threads}")
+    if e.budget not in ("auto", "fixed"):
+        raise ConfigError(f"{src}: engine.budget must be auto or fixed, got {e.budget!r}")
+    if not 0 < e.budget_headroom <= 1:
+        raise ConfigError(f"{src}: engine.budget_headroom must be in (0, 1], got {e.budget_headroom}")
+    if not (cfg.slo.tbt_ms > 0 and cfg.slo.ttft_ms > 0):
+        raise ConfigError(f"{src}: slo.ttft_ms and slo.tbt_ms must be > 0")
     if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"{src}: model.dtype must be float32, bfloat16 or float16, got {cfg.model.dtype!r}")
     if cfg.model.device not in ("auto", "cpu", "cuda"):

@@ -1,5 +1,6 @@
 """Build a worker's model instance from the cluster config: the layer range in the unified memory
-pool (weights + KV cache share its pages), the engine on top, the device and the thread count."""
+pool (weights + KV cache share its pages), the engine on top, the device, the thread count and the
+token budget (SLO-aware from a matching cost-model profile, else the fixed one)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from kunserve.services.worker.servicer import WorkerIdentity
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
-from kunserve.shared.engine.scheduler import SchedulerConfig
+from kunserve.shared.engine.budget import SLOTokenBudget
+from kunserve.shared.engine.scheduler import FixedTokenBudget, SchedulerConfig, TokenBudget
+from kunserve.shared.log import get_logger
 from kunserve.shared.memory.errors import MemoryPoolError
 from kunserve.shared.model.loader import load_model_source
+from kunserve.shared.profiles import ProfileError, device_signature, find_profile
 
 MIB = 1024 * 1024
 
@@ -45,6 +49,29 @@ def memory_backend(setting: str, device: str) -> str:
     return "cuda" if device == "cuda" else "host"
 
 
+def make_token_budget(cfg: ClusterConfig, *, model: str, dtype: str, layers: tuple[int, int], device: str,
+                      threads: int) -> tuple[TokenBudget, str]:
+    """The iteration token budget for this worker and a one-line reason (logged at start).
+
+    engine.profile names a file written by `kunserve profile`; with engine.budget = "auto" and an entry
+    for exactly this model, dtype, layer range and device (CPU: model name and thread count), the
+    worker runs ConServe's SLO-aware budget: every iteration's predicted latency stays under
+    budget_headroom * slo.tbt_ms. Anything else falls back to the fixed max_num_batched_tokens;
+    a configured profile that cannot be used is reported as a warning reason ("fallback: ...")."""
+    e = cfg.engine
+    fixed = FixedTokenBudget(e.max_num_batched_tokens)
+    if e.budget == "fixed" or not e.profile:
+        return fixed, f"fixed: {e.max_num_batched_tokens} tokens per iteration"
+    sig = device_signature(device, threads)
+    try:
+        prof = find_profile(e.profile, model=model, dtype=dtype, layers=layers, device_sig=sig)
+    except ProfileError as exc:
+        return fixed, f"fallback: {exc}; using the fixed {e.max_num_batched_tokens} tokens per iteration"
+    budget = SLOTokenBudget(prof.conserve, tbt_s=cfg.slo.tbt_ms / 1e3, headroom=e.budget_headroom)
+    return budget, (f"slo: profile {prof.key} from {e.profile}, target {budget.target_s * 1e3:.1f} ms "
+                    f"({e.budget_headroom:g} x tbt {cfg.slo.tbt_ms:g} ms)")
+
+
 def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, PooledInstance, WorkerIdentity]:
     wsec = cfg.worker(worker_id)
     device = pick_device(cfg.model.device)
@@ -70,7 +97,13 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Pooled
         raise WorkerBuildError(f"memory pool: {exc} (engine.pool_mib = {e.pool_mib}, page_kib = {e.page_kib})") from None
     except (OSError, ValueError) as exc:
         raise WorkerBuildError(f"cannot load model weights: {exc}") from None
-    loop = EngineLoop(instance.engine, num_threads=thread_share(cfg))
+    threads = thread_share(cfg)
+    budget, why = make_token_budget(cfg, model=source.name, dtype=mcfg.dtype, layers=(start, end), device=device,
+                                    threads=threads)
+    instance.engine.scheduler.budget = budget
+    log = get_logger()
+    (log.warning if why.startswith("fallback") else log.info)("token_budget", budget=why)
+    loop = EngineLoop(instance.engine, num_threads=threads)
     identity = WorkerIdentity(
         worker_id=worker_id, address=wsec.address, model_name=source.name, num_layers_model=mcfg.num_layers,
         vocab_size=mcfg.vocab_size, max_model_len=mcfg.max_position_embeddings, device=device, dtype=mcfg.dtype,
