@@ -50,6 +50,12 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
+def busy_idle_fields(b) -> dict[str, float]:
+    """WorkerStats fields from an accounting.BusyIdle snapshot (pass them to stats_to_pb as extras)."""
+    return {"busy_seconds_total": b.busy_s, "idle_seconds_total": b.idle_s, "bubble_seconds_total": b.bubble_s,
+            "bubble_ratio": b.bubble_ratio}
+
+
 def stats_to_pb(s: EngineStats, **extra: object) -> common_pb2.WorkerStats:
     return common_pb2.WorkerStats(
         kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used, block_size=s.block_size,

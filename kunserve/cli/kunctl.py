@@ -48,7 +48,7 @@ def render_status(status) -> None:
     t = Table(title=f"KunServe cluster - layout epoch {status.layout.epoch}, "
                     f"{status.layout.num_layers_model} model layers")
     for col in ("worker", "address", "layers", "group", "healthy", "KV used/total", "KV %", "running", "waiting",
-                "queued demand", "prompt tok/s", "gen tok/s", "preempted"):
+                "queued demand", "prompt tok/s", "gen tok/s", "preempted", "bubble %"):
         t.add_column(col, justify="right" if col not in ("worker", "address", "group") else "left")
     seen = set()
     for ws in cl.workers:
@@ -59,11 +59,13 @@ def render_status(status) -> None:
                   "[green]yes[/]" if ws.healthy else f"[red]no[/] ({ws.last_report_age_s:.0f}s)",
                   f"{s.kv_blocks_used}/{s.kv_blocks_total}", f"{100 * ws.kv_usage:.1f}", str(s.num_running),
                   str(s.num_waiting), str(s.queued_demand_blocks), f"{ws.prompt_tokens_per_s:.1f}",
-                  f"{ws.generated_tokens_per_s:.1f}", str(s.num_preemptions))
+                  f"{ws.generated_tokens_per_s:.1f}", str(s.num_preemptions),
+                  # idle while requests were queued / (busy + that), since the worker started
+                  f"{100 * s.bubble_ratio:.1f}" if s.busy_seconds_total > 0 else "-")
     for wid, lay in sorted(layout.items()):
         if wid not in seen:
             t.add_row(wid, lay.address, f"{lay.layer_start}-{lay.layer_end}", lay.group_id,
-                      "[red]no stats[/]", "-", "-", "-", "-", "-", "-", "-", "-")
+                      "[red]no stats[/]", "-", "-", "-", "-", "-", "-", "-", "-", "-")
     console.print(t)
     usage = (cl.kv_blocks_used / cl.kv_blocks_total * 100) if cl.kv_blocks_total else 0.0
     console.print(f"cluster KV: {cl.kv_blocks_used}/{cl.kv_blocks_total} blocks ({usage:.1f}%), queued demand "

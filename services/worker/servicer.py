@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kunserve.shared.convert import finish_to_pb, sampling_from_pb, stats_to_pb
+from kunserve.shared.convert import busy_idle_fields, finish_to_pb, sampling_from_pb, stats_to_pb
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest, TokenEvent
 from kunserve.shared.engine.loop import EngineStopped
 from kunserve.shared.engine.pooled import LayerChange, PooledInstance
@@ -103,9 +103,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def current_stats(self) -> common_pb2.WorkerStats:
         ident = self.identity
         start, end = self.instance.layer_range
+        engine = getattr(self.engine, "engine", None)  # the EngineLoop's Engine: busy / idle / bubble seconds
+        busy_idle = busy_idle_fields(engine.busy_idle()) if hasattr(engine, "busy_idle") else {}
         return stats_to_pb(
             self.engine.stats(), worker_id=ident.worker_id, address=ident.address, timestamp_unix_s=time.time(),
-            layer_start=start, layer_end=end, num_layers_model=ident.num_layers_model,
+            layer_start=start, layer_end=end, num_layers_model=ident.num_layers_model, **busy_idle,
         )
 
     async def GetStats(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext):
