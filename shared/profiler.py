@@ -38,7 +38,7 @@ class BatchTimer:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, layer_range: tuple[int, int] | None = None,
                  device: str | torch.device = "cpu", *, block_size: int = 16, max_blocks: int = 1024,
-                 pack_weights: bool | None = None, seed: int = 0) -> None:
+                 pack_weights: bool | None = None, seed: int = 0, time_metadata: bool = True) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
         self.block_size = block_size
@@ -46,6 +46,9 @@ class BatchTimer:
         self.kv = TorchKVStorage(range(self.runner.start, self.runner.end), max_blocks, cfg.num_kv_heads,
                                  block_size, cfg.head_dim, cfg.torch_dtype, self.device)
         self.max_blocks = max_blocks
+        # An engine iteration builds its attention metadata itself (time_metadata=True); a pipeline
+        # stage receives it ready-made from the head (False: the forward alone is timed).
+        self.time_metadata = time_metadata
         self._gen = torch.Generator().manual_seed(seed)
 
     def blocks_for(self, chunks: Iterable[Chunk]) -> int:
@@ -96,7 +99,11 @@ class BatchTimer:
         rows = None
         if self.runner.is_last and len(logit_rows) != len(positions):
             rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
-        out = self.runner.forward(inputs, torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta, rows)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        if not self.time_metadata:
+            self._sync()
+            t0 = time.perf_counter()
+        out = self.runner.forward(inputs, pos, self.kv, meta, rows)
         out = out.cpu()
         self._sync()
         return time.perf_counter() - t0
@@ -130,12 +137,14 @@ def profile_grid(max_len: int, quick: bool = False, max_decode_context: int = MA
         cp_c, cp_p = [32, 128, 384], [128, 512, 1024]
         dec_b, dec_ctx = [1, 4, 16, 48], [32, 256, 1024]
         mixed = [(4, 128, 64, 0), (16, 512, 128, 256), (8, 256, 256, 0), (32, 128, 32, 512)]
+        multi_cp = [(3, 64, 512), (2, 128, 1024), (4, 32, 256)]
     else:
         pre = [8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536]
         multi = [(2, 32), (2, 256), (4, 64), (4, 128), (8, 32), (8, 64), (16, 16)]
         cp_c, cp_p = [16, 64, 128, 256, 512], [64, 256, 512, 1024, 1536]
         dec_b, dec_ctx = [1, 2, 4, 8, 16, 32, 64], [16, 128, 512, 1024]
         mixed = [(b, ctx, c, p) for b in (4, 16) for ctx in (128, 512) for c, p in ((32, 0), (128, 256), (256, 0))]
+        multi_cp = [(k, c, p) for k in (2, 4) for c in (32, 128) for p in (256, 1024)] + [(8, 32, 512), (3, 256, 512)]
     for c in pre:
         add("prefill", [(c, 0)])
     for k, c in multi:
@@ -143,6 +152,8 @@ def profile_grid(max_len: int, quick: bool = False, max_decode_context: int = MA
     for c in cp_c:
         for p in cp_p:
             add("chunked_prefill", [(c, p)])
+    for k, c, p in multi_cp:  # several chunks deep into their prompts: what lookahead microbatches hold
+        add("chunked_prefill", [(c, p + 16 * i) for i in range(k)])
     for b in dec_b:
         for ctx in dec_ctx:
             add("decode", [(1, ctx - 1)] * b)

@@ -182,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _register_extra_commands(sub) -> None:
     """Later subcommands (bench, profile) register here without touching the core parser."""
-    return None
+    from kunserve.cli import profile
+
+    profile.register(sub)
 
 
 def main(argv: list[str] | None = None) -> None:
