@@ -214,6 +214,7 @@ class PipelineExecutor:
         slots = pc.compute_slots
         if slots < 0:
             slots = 0 if self.device.type == "cuda" else (os.cpu_count() or 1)
+        self._slots_n = slots
         self._slots = threading.BoundedSemaphore(slots) if slots > 0 else None
         self._results: queue.Queue = queue.Queue()
 
