@@ -12,7 +12,8 @@ that wait for the next accidental progress call (5–20 ms for 64 KiB). So ``Ucx
 requests itself and ``_Progress`` completes them: the asyncio loop watches the UCX worker's epoll fd;
 on every event, and right after posting a request, it progresses the worker, resolves the futures of
 completed requests, and re-arms the worker (``ucp_worker_arm``), repeating while arming reports pending
-events. An idle process then uses ~0% CPU and a message is handled as soon as its bytes arrive. A slow
+events. A sweep progresses for at most ``SWEEP_BUDGET_S``, then yields to the loop and continues with
+``call_soon``, so a streaming transfer never blocks the event loop for long. An idle process then uses ~0% CPU and a message is handled as soon as its bytes arrive. A slow
 safety sweep (``SAFETY_SWEEP_S``) runs while requests are pending, in case an event is ever missed.
 ucxx's blocking-mode progress task is created (ucxx expects it) but its reader is replaced and its
 tasks cancelled, so only this class progresses the worker on this loop.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import weakref
 from typing import Any
 
@@ -35,6 +37,7 @@ UCX_ENV_DEFAULTS = {
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
 SAFETY_SWEEP_S = 0.05
+SWEEP_BUDGET_S = 0.0005  # progress at most this long per sweep before yielding to the event loop
 
 
 class UcxUnavailable(ImportError):
@@ -98,6 +101,7 @@ class _Progress:
         self.pending: dict[int, tuple[Any, asyncio.Future, Any, Any]] = {}
         self._next = 0
         self._safety: asyncio.TimerHandle | None = None
+        self._again: asyncio.Handle | None = None
         loop.add_reader(self.fd, self.sweep)
         self.sweep()
 
@@ -109,9 +113,22 @@ class _Progress:
         return self._next, fut
 
     def sweep(self) -> None:
-        for _ in range(1000):
-            self.worker.progress()
+        if self._again is not None:  # called early (an fd event, a new request): one continuation at a time
+            self._again.cancel()
+            self._again = None
+        deadline = time.perf_counter() + SWEEP_BUDGET_S
+        while True:
+            busy = False
+            while self.worker.progress_once():
+                if time.perf_counter() > deadline:
+                    busy = True
+                    break
             self._resolve()
+            if busy:
+                # A large transfer is streaming: continue after the loop's other ready callbacks and tasks
+                # ran, so that it never blocks the event loop for more than about SWEEP_BUDGET_S at a time.
+                self._again = self.loop.call_soon(self.sweep)
+                break
             if self.worker.arm():
                 break
         if self.pending and self._safety is None:
