@@ -2,15 +2,18 @@
 
 Two processes on 127.0.0.1 over UCX (ucxx, TCP): this driver and `python -m kunserve.shared.transfer.peer`.
 Activations (``--act-kib``, one every ``--act-interval-ms``, like one pipeline stage's output) go from the
-driver to the peer; latency is one-way, from submit on the driver to the whole message having arrived
-on the peer (both clocks are CLOCK_MONOTONIC on one host). Scenarios:
+driver to the peer; latency is one-way, from the moment a producer thread (standing in for the engine
+thread finishing a stage) hands the activation to the event loop — so time the loop is blocked counts —
+to the whole message having arrived on the peer (both clocks are CLOCK_MONOTONIC on one host).
+Scenarios:
 
 1. idle               — activations alone;
 2. kv + priorities    — while a ``--kv-mib`` KV_EXCHANGE is sent in chunks sized to take each chunk time
                         target of ``--targets`` (EWMA of measured throughput); activations overtake it
                         between chunks;
 3. kv as one message  — the same exchange sent as one message (no chunking): activations wait behind it,
-                        as they would on bare UCX, which has no priorities;
+                        as they would on bare UCX, which has no priorities (over TCP loopback, UCX even
+                        sends the whole message inside one progress call, blocking the sender's loop);
 4. capacity           — the exchange alone, as one message (≈ raw loopback UCX throughput) and chunked,
                         to show what chunking costs in throughput.
 
@@ -86,15 +89,40 @@ async def scenario(port: int, name: str, config: TransferConfig, *, kv_bytes: in
     act = torch.randn(act_bytes // 4)
     t0 = time.perf_counter()
     kv = svc.submit("peer", KV_EXCHANGE, kv_tensor, name="kv") if kv_bytes else None
-    handles = []
-    while (acts is not None and len(handles) < acts) or (acts is None and kv is not None and not kv.done.done()):
-        handles.append(svc.submit("peer", ACTIVATION, act, name="act"))
-        await asyncio.sleep(interval_s)
+    handles, due = [], {}
+    loop = asyncio.get_running_loop()
+    stop = threading.Event()
+    finished = asyncio.Event()
+
+    def submit(t_ready: float) -> None:
+        h = svc.submit("peer", ACTIVATION, act, name="act")
+        due[h.message_id] = t_ready
+        handles.append(h)
+
+    def producer() -> None:
+        # Like the engine thread: a stage finishes every interval_s and hands its activation to the event
+        # loop. The latency counts from that hand-off, so time the loop is blocked counts too.
+        k = 0
+        while not stop.is_set() and (acts is None or k < acts):
+            k += 1
+            time.sleep(max(0.0, t0 + k * interval_s - time.perf_counter()))
+            loop.call_soon_threadsafe(submit, time.perf_counter())
+        loop.call_soon_threadsafe(finished.set)
+
+    thread = threading.Thread(target=producer, daemon=True)
+    if acts is None or acts > 0:
+        thread.start()
+    else:
+        finished.set()
     if kv is not None:
         await kv.wait(timeout=300)
+        if acts is None:
+            stop.set()
+    await asyncio.wait_for(finished.wait(), 300)
     for h in handles:
         await h.wait(timeout=300)
     submit_t = {e.message_id: e.t for e in svc.trace if e.op == "submit"}
+    submit_t.update(due)
     sends = [e for e in svc.trace if e.op == "send" and kv is not None and e.message_id == kv.message_id]
     stats = svc.stats()["peer"]
     rep = await report(svc)
