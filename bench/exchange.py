@@ -71,9 +71,9 @@ async def report(svc: TransferService) -> dict[str, Any]:
     return json.loads(bytes(msg.data.numpy()))
 
 
-def pct(xs: list[float], p: float) -> float:
+def pct(xs: list[float], p: float) -> float | None:
     if not xs:
-        return float("nan")
+        return None
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
 
@@ -133,8 +133,8 @@ async def scenario(port: int, name: str, config: TransferConfig, *, kv_bytes: in
     chunk_sizes = [e.nbytes for e in sends]
     return {
         "scenario": name, "activations": len(lat), "act_bytes": act_bytes,
-        "act_p50_ms": pct(lat, 50), "act_p99_ms": pct(lat, 99), "act_max_ms": max(lat) if lat else float("nan"),
-        "act_mean_ms": statistics.fmean(lat) if lat else float("nan"),
+        "act_p50_ms": pct(lat, 50), "act_p99_ms": pct(lat, 99), "act_max_ms": max(lat) if lat else None,
+        "act_mean_ms": statistics.fmean(lat) if lat else None,
         "kv_bytes": kv_bytes, "kv_s": kv_s, "kv_gbps": (kv_bytes / kv_s / 1e9) if kv_s else None,
         "kv_chunks": len(chunk_sizes), "kv_chunk_median_bytes": statistics.median(chunk_sizes) if chunk_sizes else None,
         "throughput_ewma_gbps": stats["throughput_bps"] / 1e9, "elapsed_s": time.perf_counter() - t0,
@@ -241,7 +241,7 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=2))
+        out.write_text(json.dumps(res, indent=2, allow_nan=False))
         print(f"wrote {out}")
 
 
