@@ -97,15 +97,18 @@ def run_pipeline(cfg, weights, reqs, stages: int, lookahead: bool, cost_model, a
     blocks = sum(-(-(len(r.prompt_token_ids) + r.sampling.max_tokens) // 16) for r in reqs) + 16
     ex = PipelineExecutor(cfg, weights, PipelineConfig(
         num_stages=stages, lookahead=lookahead, min_tokens=args.chunk_tokens, chunk_tokens=args.chunk_tokens,
-        num_kv_blocks=blocks, block_size=16, compute_slots=slots), cost_model=cost_model, device=device)
+        num_kv_blocks=blocks, block_size=16, compute_slots=slots, max_inflight=args.max_inflight),
+        cost_model=cost_model, device=device)
     ex.generate(workload(cfg, 4, 32, 256, 2, seed=999))  # warm-up (allocator, kernels)
     run = ex.generate(reqs)
     rep = run.replay()
     stage0 = [mb["stage_times"][0][1] - mb["stage_times"][0][0] for mb in run.microbatches]
     pred = [mb["predicted_cost_s"] for mb in run.microbatches]
+    carrying = [mb["tokens"] > mb["chunks"] for mb in run.microbatches]  # holds prompt tokens (not decodes only)
     # the model was fitted on stage 0's layers: compare with stage 0's measured time per microbatch
-    errs = [abs(p - m) / m for p, m in zip(pred, stage0) if m > 0 and p > 0]
-    prefill_mbs = [t for t, mb in zip(stage0, run.microbatches) if mb["tokens"] > mb["chunks"]]
+    signed = [(p - m) / m for p, m, c in zip(pred, stage0, carrying) if c and m > 0 and p > 0]
+    errs = [abs(x) for x in signed]
+    prefill_mbs = [t for t, c in zip(stage0, carrying) if c]
     return {
         "stages": stages, "lookahead": lookahead, "compute_slots": ex._slots_n, "microbatches": len(run.microbatches),
         "lookahead_microbatches": sum(mb["lookahead"] for mb in run.microbatches),
@@ -115,6 +118,9 @@ def run_pipeline(cfg, weights, reqs, stages: int, lookahead: bool, cost_model, a
         "stage0_time_iqr_prefill": iqr_spread(prefill_mbs),
         "microbatch_tokens_cv": cv([mb["tokens"] for mb in run.microbatches]),
         "cost_model_mean_rel_err": statistics.mean(errs) if errs else None,
+        "cost_model_bias": statistics.mean(signed) if signed else None,
+        "per_microbatch": [[mb["tokens"], mb["chunks"], round(mb["predicted_cost_s"], 6),
+                            [round(b - a, 6) for a, b in mb["stage_times"]]] for mb in run.microbatches],
         "tokens": run.tokens, "prompt_tokens": run.prompt_tokens, "generated_tokens": run.generated_tokens,
     }
 
@@ -147,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=0, help="runs per configuration, median kept (default 2, quick 1)")
     ap.add_argument("--compute-slots", type=int, default=-1,
                     help="stages computing at once in the concurrent run (-1: CPU cores; 0: unbounded)")
+    ap.add_argument("--max-inflight", type=int, default=0, help="microbatches in flight (default: one per stage)")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    console = Console()
+    console = Console(width=None if os.isatty(1) else 160)
     cfg = TINY_CONFIG if args.model == "tiny" else LARGER_CONFIG
     weights = random_weights(cfg, 0)
     n = args.requests or (24 if args.quick else 64)
@@ -210,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     t = Table(title=f"pipeline on a long queue ({n} requests, MIN = chunk = {args.chunk_tokens} tokens; "
                     f"median of {repeats})")
     for col in ("stages", "lookahead", "micro-batches", "stage-0 time IQR/median", "bubble (measured)", "tok/s (measured)",
-                "bubble (replayed)", "tok/s (replayed)", "cost-model err"):
+                "bubble (replayed)", "of which stage imbalance", "tok/s (replayed)", "cost-model err"):
         t.add_column(col, justify="right")
     summary = []
     for s in stage_counts:
@@ -221,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             med = {k: statistics.median(v) for k, v in {
                 "bubble": [r["bubble_ratio"] for r in conc], "tps": [r["tokens_per_s"] for r in conc],
                 "rbubble": [r["replay"]["bubble_ratio"] for r in iso],
-                "rtps": [r["replay"]["tokens_per_s"] for r in iso], "spread": [r["stage0_time_iqr_prefill"] for r in iso],
+                "rtps": [r["replay"]["tokens_per_s"] for r in iso],
+                "floor": [r["replay"]["stage_imbalance_floor"] for r in iso], "spread": [r["stage0_time_iqr_prefill"] for r in iso],
                 "mbs": [r["microbatches"] for r in iso]}.items()}
             errs = [r["cost_model_mean_rel_err"] for r in iso if r["cost_model_mean_rel_err"] is not None]
             med["err"] = statistics.median(errs) if errs else float("nan")
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                 mgain = f" ({100 * (med['tps'] / base['tps'] - 1):+.1f}%)"
             t.add_row(str(s), "on" if la else "off", f"{med['mbs']:.0f}", f"{med['spread']:.2f}",
                       f"{100 * med['bubble']:.1f}%", f"{med['tps']:,.0f}{mgain}", f"{100 * med['rbubble']:.1f}%",
-                      f"{med['rtps']:,.0f}{gain}", f"{100 * med['err']:.1f}%")
+                      f"{100 * med['floor']:.1f}%", f"{med['rtps']:,.0f}{gain}", f"{100 * med['err']:.1f}%")
             base = base or med
     result["summary"] = summary
     result["machine"]["loadavg_end"] = os.getloadavg()

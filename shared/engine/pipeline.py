@@ -170,10 +170,14 @@ class PipelineRun:
                 row.append(t + durs[s])
             ends.append(row)
         makespan = ends[-1][-1] if ends else 0.0
-        busy = sum(e - s for mb in self.microbatches for s, e in mb["stage_times"])
+        per_stage = [sum(mb["stage_times"][s][1] - mb["stage_times"][s][0] for mb in self.microbatches)
+                     for s in range(n_st)]
+        busy = sum(per_stage)
         bubble = 1.0 - busy / (n_st * makespan) if makespan > 0 else 0.0
         tps = (self.prompt_tokens + self.generated_tokens) / makespan if makespan > 0 else 0.0
-        return {"makespan_s": makespan, "bubble_ratio": bubble, "tokens_per_s": tps}
+        # the bubble no microbatch formation can remove: stages with less total work wait for the slowest
+        floor = 1.0 - busy / (n_st * max(per_stage)) if busy > 0 else 0.0
+        return {"makespan_s": makespan, "bubble_ratio": bubble, "tokens_per_s": tps, "stage_imbalance_floor": floor}
 
 
 class _Stage:
