@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--populate", action="store_true", help="host: MAP_POPULATE every mapping")
     ap.add_argument("--gpu-gib", type=float, default=80.0, help="GPU memory for the Qwen arithmetic")
     ap.add_argument("--gpu-util", type=float, default=0.90, help="share of it given to the pool")
-    ap.add_argument("--out", default=None, help="write JSON here (e.g. bench/results/remap.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/remap.json, or remap_cuda.json)")
     args = ap.parse_args(argv)
 
     q = args.quick
@@ -366,11 +366,10 @@ def main(argv: list[str] | None = None) -> int:
                                 args.populate)
     res["qwen14b"] = qwen14b_arithmetic(args.gpu_gib, args.gpu_util, page_size)
     print_tables(res)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=2))
-        print(f"wrote {out}", file=sys.stderr)
+    out = Path(args.out or f"bench/results/remap{'_cuda' if args.backend == 'cuda' else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print(f"wrote {out}", file=sys.stderr)
     return 0
 
 
