@@ -36,7 +36,6 @@ import pathlib
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -379,12 +378,6 @@ def bridge_gateway(d: Daemon) -> str:
 
 
 # -- generation -------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def parse_generation(text: str) -> dict:
     for line in reversed(text.strip().splitlines()):
         line = line.strip()
@@ -575,6 +568,8 @@ def main(argv: list[str]) -> int:
             server = WheelServer(wheelhouse, bridge_gateway(daemon))
             stack.callback(_safely(server.stop, "stopping the wheelhouse server"))
             log(f"serving the wheelhouse to the build at {server.url}")
+
+            from kunserve.cli.launcher import free_port
 
             client_port, admin_port = free_port(), free_port()
             env = {k: v for k, v in daemon.env.items() if not k.startswith("KUNSERVE")}
