@@ -51,6 +51,21 @@ class WorkerSection(ServiceSection):
     id: str = ""
     layer_start: int = 0
     layer_end: int = -1  # -1 = all layers of the model
+    transfer_port: int = 0  # UCX listener (KV exchange, activations); 0 = any free port, reported via GetInfo
+
+
+@dataclass
+class DispatcherSection(ServiceSection):
+    port: int = 50051
+    # How long a request may wait for a routable worker (all busy forming a group, or restarting)
+    # before the client gets UNAVAILABLE.
+    route_timeout_s: float = 30.0
+
+
+@dataclass
+class MemoryManagerSection(ServiceSection):
+    port: int = 50052
+    transition_timeout_s: float = 60.0  # one worker's prepare / execute of a drop or restore
 
 
 @dataclass
@@ -77,6 +92,13 @@ class MonitorSection(ServiceSection):
     port: int = 50053
     stats_interval_s: float = 0.2
     stale_after_s: float = 3.0  # a worker silent for longer is reported unhealthy
+    # Parameter-centric overload handling (KunServe §4): drop on overload, restore on underload.
+    auto_drop: bool = True
+    policy_interval_s: float = 0.2
+    overload_hold_s: float = 0.0  # overload must last this long before a drop (0 = at once)
+    restore_threshold: float = 0.5  # restore a group once usage < this fraction of its undropped capacity...
+    restore_hold_s: float = 10.0  # ...for this long
+    restore_cooldown_s: float = 30.0  # no restore this soon after a drop
 
 
 @dataclass
@@ -94,8 +116,8 @@ class LoggingSection:
 @dataclass
 class ClusterConfig:
     model: ModelSection = field(default_factory=ModelSection)
-    dispatcher: ServiceSection = field(default_factory=lambda: ServiceSection(port=50051))
-    memory_manager: ServiceSection = field(default_factory=lambda: ServiceSection(port=50052))
+    dispatcher: DispatcherSection = field(default_factory=DispatcherSection)
+    memory_manager: MemoryManagerSection = field(default_factory=MemoryManagerSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
     workers: list[WorkerSection] = field(default_factory=list)
     engine: EngineSection = field(default_factory=EngineSection)
@@ -246,6 +268,8 @@ def validate(cfg: ClusterConfig) -> None:
                       ("monitor", cfg.monitor)] + [(f"workers[{i}]", w) for i, w in enumerate(cfg.workers)]:
         if not (0 <= svc.port < 65536):
             raise ConfigError(f"{src}: {name}.port must be in [0, 65535], got {svc.port}")
+        if not (0 <= getattr(svc, "transfer_port", 0) < 65536):
+            raise ConfigError(f"{src}: {name}.transfer_port must be in [0, 65535], got {svc.transfer_port}")
     e = cfg.engine
     for key in ("block_size", "pool_mib", "page_kib", "max_num_batched_tokens", "max_num_seqs"):
         if getattr(e, key) <= 0:
@@ -266,8 +290,16 @@ def validate(cfg: ClusterConfig) -> None:
         raise ConfigError(f"{src}: model.dtype must be float32, bfloat16 or float16, got {cfg.model.dtype!r}")
     if cfg.model.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"{src}: model.device must be auto, cpu or cuda, got {cfg.model.device!r}")
-    if cfg.monitor.stats_interval_s <= 0:
-        raise ConfigError(f"{src}: monitor.stats_interval_s must be > 0")
+    m = cfg.monitor
+    if m.stats_interval_s <= 0 or m.policy_interval_s <= 0:
+        raise ConfigError(f"{src}: monitor.stats_interval_s and monitor.policy_interval_s must be > 0")
+    if not 0 < m.restore_threshold < 1:
+        raise ConfigError(f"{src}: monitor.restore_threshold must be in (0, 1), got {m.restore_threshold}")
+    if min(m.overload_hold_s, m.restore_hold_s, m.restore_cooldown_s) < 0:
+        raise ConfigError(f"{src}: monitor hold and cool-down times must be >= 0")
+    if cfg.dispatcher.route_timeout_s < 0 or cfg.memory_manager.transition_timeout_s <= 0:
+        raise ConfigError(f"{src}: dispatcher.route_timeout_s must be >= 0 and "
+                          "memory_manager.transition_timeout_s > 0")
     if cfg.logging.format not in ("auto", "json", "console"):
         raise ConfigError(f"{src}: logging.format must be auto, json or console, got {cfg.logging.format!r}")
 

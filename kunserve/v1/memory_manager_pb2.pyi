@@ -7,21 +7,111 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GroupMembers(_message.Message):
+    __slots__ = ("worker_ids",)
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DropRequest(_message.Message):
+    __slots__ = ("required_blocks", "required_bytes", "groups", "reason")
+    REQUIRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    required_blocks: int
+    required_bytes: int
+    groups: _containers.RepeatedCompositeFieldContainer[GroupMembers]
+    reason: str
+    def __init__(self, required_blocks: _Optional[int] = ..., required_bytes: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupMembers, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PlannedGroup(_message.Message):
+    __slots__ = ("group_id", "members", "changed")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    members: _containers.RepeatedCompositeFieldContainer[WorkerLayout]
+    changed: bool
+    def __init__(self, group_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[WorkerLayout, _Mapping]]] = ..., changed: _Optional[bool] = ...) -> None: ...
+
+class DropPlanReply(_message.Message):
+    __slots__ = ("met", "autoscale_needed", "fallback", "required_bytes", "freed_bytes", "freed_blocks", "groups", "epoch")
+    MET_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    met: bool
+    autoscale_needed: bool
+    fallback: str
+    required_bytes: int
+    freed_bytes: int
+    freed_blocks: int
+    groups: _containers.RepeatedCompositeFieldContainer[PlannedGroup]
+    epoch: int
+    def __init__(self, met: _Optional[bool] = ..., autoscale_needed: _Optional[bool] = ..., fallback: _Optional[str] = ..., required_bytes: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., freed_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[PlannedGroup, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("group_id",)
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    def __init__(self, group_id: _Optional[str] = ...) -> None: ...
+
+class TransitionReport(_message.Message):
+    __slots__ = ("op", "epoch", "completed", "rolled_back", "error", "groups", "requests_moved", "kv_bytes_moved", "plan_seconds", "prepare_seconds", "exchange_seconds", "remap_seconds", "total_seconds", "autoscale_needed")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    PLAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REMAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    epoch: int
+    completed: bool
+    rolled_back: bool
+    error: str
+    groups: _containers.RepeatedCompositeFieldContainer[PlannedGroup]
+    requests_moved: int
+    kv_bytes_moved: int
+    plan_seconds: float
+    prepare_seconds: float
+    exchange_seconds: float
+    remap_seconds: float
+    total_seconds: float
+    autoscale_needed: bool
+    def __init__(self, op: _Optional[str] = ..., epoch: _Optional[int] = ..., completed: _Optional[bool] = ..., rolled_back: _Optional[bool] = ..., error: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[PlannedGroup, _Mapping]]] = ..., requests_moved: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., exchange_seconds: _Optional[float] = ..., remap_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., autoscale_needed: _Optional[bool] = ...) -> None: ...
+
 class WorkerLayout(_message.Message):
-    __slots__ = ("worker_id", "address", "layer_start", "layer_end", "group_id", "reachable")
+    __slots__ = ("worker_id", "address", "layer_start", "layer_end", "group_id", "reachable", "transfer_address", "serving")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     layer_start: int
     layer_end: int
     group_id: str
     reachable: bool
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., group_id: _Optional[str] = ..., reachable: _Optional[bool] = ...) -> None: ...
+    transfer_address: str
+    serving: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., group_id: _Optional[str] = ..., reachable: _Optional[bool] = ..., transfer_address: _Optional[str] = ..., serving: _Optional[bool] = ...) -> None: ...
 
 class ClusterLayout(_message.Message):
     __slots__ = ("epoch", "num_layers_model", "workers")

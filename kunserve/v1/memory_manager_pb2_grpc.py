@@ -40,6 +40,21 @@ class MemoryManagerStub:
                 request_serializer=kunserve_dot_v1_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.ClusterLayout.FromString,
                 _registered_method=True)
+        self.PlanDrop = channel.unary_unary(
+                '/kunserve.v1.MemoryManager/PlanDrop',
+                request_serializer=kunserve_dot_v1_dot_memory__manager__pb2.DropRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.DropPlanReply.FromString,
+                _registered_method=True)
+        self.Drop = channel.unary_unary(
+                '/kunserve.v1.MemoryManager/Drop',
+                request_serializer=kunserve_dot_v1_dot_memory__manager__pb2.DropRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.TransitionReport.FromString,
+                _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/kunserve.v1.MemoryManager/Restore',
+                request_serializer=kunserve_dot_v1_dot_memory__manager__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.TransitionReport.FromString,
+                _registered_method=True)
 
 
 class MemoryManagerServicer:
@@ -51,6 +66,28 @@ class MemoryManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PlanDrop(self, request, context):
+        """KunServe Fig. 6 drop plan for a requirement (dry run: nothing changes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drop(self, request, context):
+        """Plan (or take the explicit grouping) and drive it through the workers: the monitor calls this on
+        overload, kunctl to force one. One transition at a time (a second gets ABORTED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restore(self, request, context):
+        """Split dropped groups back into whole instances (all, or one group).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +95,21 @@ def add_MemoryManagerServicer_to_server(servicer, server):
                     servicer.GetLayout,
                     request_deserializer=kunserve_dot_v1_dot_common__pb2.Empty.FromString,
                     response_serializer=kunserve_dot_v1_dot_memory__manager__pb2.ClusterLayout.SerializeToString,
+            ),
+            'PlanDrop': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlanDrop,
+                    request_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.DropRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_memory__manager__pb2.DropPlanReply.SerializeToString,
+            ),
+            'Drop': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drop,
+                    request_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.DropRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_memory__manager__pb2.TransitionReport.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.RestoreRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_memory__manager__pb2.TransitionReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +139,87 @@ class MemoryManager:
             '/kunserve.v1.MemoryManager/GetLayout',
             kunserve_dot_v1_dot_common__pb2.Empty.SerializeToString,
             kunserve_dot_v1_dot_memory__manager__pb2.ClusterLayout.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanDrop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.MemoryManager/PlanDrop',
+            kunserve_dot_v1_dot_memory__manager__pb2.DropRequest.SerializeToString,
+            kunserve_dot_v1_dot_memory__manager__pb2.DropPlanReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.MemoryManager/Drop',
+            kunserve_dot_v1_dot_memory__manager__pb2.DropRequest.SerializeToString,
+            kunserve_dot_v1_dot_memory__manager__pb2.TransitionReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.MemoryManager/Restore',
+            kunserve_dot_v1_dot_memory__manager__pb2.RestoreRequest.SerializeToString,
+            kunserve_dot_v1_dot_memory__manager__pb2.TransitionReport.FromString,
             options,
             channel_credentials,
             insecure,

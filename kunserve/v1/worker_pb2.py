@@ -25,33 +25,47 @@ _sym_db = _symbol_database.Default()
 from kunserve.v1 import common_pb2 as kunserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kunserve/v1/worker.proto\x12\x0bkunserve.v1\x1a\x18kunserve/v1/common.proto\"#\n\x11\x44ropLayersRequest\x12\x0e\n\x06layers\x18\x01 \x03(\x05\"6\n\x14RestoreLayersRequest\x12\x0e\n\x06layers\x18\x01 \x03(\x05\x12\x0e\n\x06source\x18\x02 \x01(\t\"\xa4\x02\n\x0bLayerChange\x12\n\n\x02op\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x18\n\x10kv_blocks_before\x18\x05 \x01(\x03\x12\x17\n\x0fkv_blocks_after\x18\x06 \x01(\x03\x12\x16\n\x0epages_unmapped\x18\x07 \x01(\x05\x12\x14\n\x0cpages_mapped\x18\x08 \x01(\x05\x12\x18\n\x10\x63ompaction_moves\x18\t \x01(\x05\x12\x15\n\rremap_seconds\x18\n \x01(\x01\x12\x14\n\x0c\x66ill_seconds\x18\x0b \x01(\x01\x12\x15\n\rweight_source\x18\x0c \x01(\t\x12\x12\n\ngeneration\x18\r \x01(\x04\"m\n\x0bLayerMemory\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x14\n\x0cweight_pages\x18\x02 \x01(\x05\x12\x14\n\x0cweight_bytes\x18\x03 \x01(\x03\x12\x10\n\x08kv_pages\x18\x04 \x01(\x05\x12\x11\n\tkv_blocks\x18\x05 \x01(\x03\"?\n\x11WeightGroupMemory\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\x05\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\";\n\x07PageRun\x12\x12\n\nfirst_page\x18\x01 \x01(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\r\n\x05owner\x18\x03 \x01(\t\"\xbe\x04\n\tMemoryMap\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\x03\x12\x11\n\tnum_pages\x18\x05 \x01(\x05\x12\x12\n\nfree_pages\x18\x06 \x01(\x05\x12\x13\n\x0blayer_start\x18\x07 \x01(\x05\x12\x11\n\tlayer_end\x18\x08 \x01(\x05\x12\x18\n\x10num_layers_model\x18\t \x01(\x05\x12\x14\n\x0cweight_pages\x18\n \x01(\x05\x12\x14\n\x0cweight_bytes\x18\x0b \x01(\x03\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x13\n\x0b\x62lock_bytes\x18\r \x01(\x03\x12\x1a\n\x12kv_pages_per_layer\x18\x0e \x01(\x05\x12\x11\n\tkv_blocks\x18\x0f \x01(\x03\x12\x16\n\x0ekv_blocks_used\x18\x10 \x01(\x03\x12\x1a\n\x12kv_capacity_tokens\x18\x11 \x01(\x03\x12\x19\n\x11kv_capacity_bytes\x18\x12 \x01(\x03\x12(\n\x06layers\x18\x13 \x03(\x0b\x32\x18.kunserve.v1.LayerMemory\x12.\n\x06groups\x18\x14 \x03(\x0b\x32\x1e.kunserve.v1.WeightGroupMemory\x12\'\n\tpage_runs\x18\x15 \x03(\x0b\x32\x14.kunserve.v1.PageRun\x12\x17\n\x0fhost_copy_bytes\x18\x16 \x01(\x03\x12\x12\n\ngeneration\x18\x17 \x01(\x04\"t\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kunserve.v1.SamplingParams\"y\n\x10WorkerTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.kunserve.v1.FinishReason\"\xfd\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x18\n\x10num_layers_model\x18\x04 \x01(\x05\x12\x13\n\x0blayer_start\x18\x05 \x01(\x05\x12\x11\n\tlayer_end\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x15\n\rmax_model_len\x18\x08 \x01(\x05\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\n \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t2\xe0\x03\n\x06Worker\x12O\n\x08Generate\x12\".kunserve.v1.WorkerGenerateRequest\x1a\x1d.kunserve.v1.WorkerTokenEvent0\x01\x12\x41\n\x06\x43\x61ncel\x12\x1a.kunserve.v1.CancelRequest\x1a\x1b.kunserve.v1.CancelResponse\x12\x38\n\x08GetStats\x12\x12.kunserve.v1.Empty\x1a\x18.kunserve.v1.WorkerStats\x12\x36\n\x07GetInfo\x12\x12.kunserve.v1.Empty\x1a\x17.kunserve.v1.WorkerInfo\x12\x46\n\nDropLayers\x12\x1e.kunserve.v1.DropLayersRequest\x1a\x18.kunserve.v1.LayerChange\x12L\n\rRestoreLayers\x12!.kunserve.v1.RestoreLayersRequest\x1a\x18.kunserve.v1.LayerChange\x12:\n\x0cGetMemoryMap\x12\x12.kunserve.v1.Empty\x1a\x16.kunserve.v1.MemoryMapb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kunserve/v1/worker.proto\x12\x0bkunserve.v1\x1a\x18kunserve/v1/common.proto\"a\n\nUnitMember\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x18\n\x10transfer_address\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\"A\n\x04Unit\x12\x0f\n\x07unit_id\x18\x01 \x01(\t\x12(\n\x07members\x18\x02 \x03(\x0b\x32\x17.kunserve.v1.UnitMember\"\xa7\x02\n\x08SeqState\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x13generated_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0cnum_computed\x18\x04 \x01(\x05\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.kunserve.v1.SamplingParams\x12\x17\n\x0fgenerator_state\x18\x06 \x01(\x0c\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x05\x12\r\n\x05\x61ge_s\x18\x08 \x01(\x01\x12\x12\n\nold_blocks\x18\t \x03(\x05\x12\x12\n\nnew_blocks\x18\n \x03(\x05\x12\x10\n\x08old_unit\x18\x0b \x01(\t\x12\x10\n\x08new_unit\x18\x0c \x01(\t\"\x9c\x01\n\x0eTransitionSpec\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\n\n\x02op\x18\x02 \x01(\t\x12$\n\told_units\x18\x03 \x03(\x0b\x32\x11.kunserve.v1.Unit\x12$\n\tnew_units\x18\x04 \x03(\x0b\x32\x11.kunserve.v1.Unit\x12#\n\x04seqs\x18\x05 \x03(\x0b\x32\x15.kunserve.v1.SeqState\"\x1e\n\rTransitionRef\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"|\n\x12TransitionPrepared\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04seqs\x18\x02 \x03(\x0b\x32\x15.kunserve.v1.SeqState\x12\x17\n\x0fkv_blocks_after\x18\x03 \x01(\x03\x12\x15\n\rkv_blocks_now\x18\x04 \x01(\x03\"\x93\x02\n\x0eTransitionDone\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x11\n\tkv_blocks\x18\x05 \x01(\x03\x12\x12\n\nbytes_sent\x18\x06 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x07 \x01(\x03\x12\x16\n\x0egather_seconds\x18\x08 \x01(\x01\x12\x18\n\x10\x65xchange_seconds\x18\t \x01(\x01\x12\x15\n\rremap_seconds\x18\n \x01(\x01\x12\x17\n\x0fscatter_seconds\x18\x0b \x01(\x01\x12\x16\n\x0erequests_owned\x18\x0c \x01(\x05\"#\n\x11\x44ropLayersRequest\x12\x0e\n\x06layers\x18\x01 \x03(\x05\"6\n\x14RestoreLayersRequest\x12\x0e\n\x06layers\x18\x01 \x03(\x05\x12\x0e\n\x06source\x18\x02 \x01(\t\"\xa4\x02\n\x0bLayerChange\x12\n\n\x02op\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x18\n\x10kv_blocks_before\x18\x05 \x01(\x03\x12\x17\n\x0fkv_blocks_after\x18\x06 \x01(\x03\x12\x16\n\x0epages_unmapped\x18\x07 \x01(\x05\x12\x14\n\x0cpages_mapped\x18\x08 \x01(\x05\x12\x18\n\x10\x63ompaction_moves\x18\t \x01(\x05\x12\x15\n\rremap_seconds\x18\n \x01(\x01\x12\x14\n\x0c\x66ill_seconds\x18\x0b \x01(\x01\x12\x15\n\rweight_source\x18\x0c \x01(\t\x12\x12\n\ngeneration\x18\r \x01(\x04\"m\n\x0bLayerMemory\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x14\n\x0cweight_pages\x18\x02 \x01(\x05\x12\x14\n\x0cweight_bytes\x18\x03 \x01(\x03\x12\x10\n\x08kv_pages\x18\x04 \x01(\x05\x12\x11\n\tkv_blocks\x18\x05 \x01(\x03\"?\n\x11WeightGroupMemory\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\x05\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\";\n\x07PageRun\x12\x12\n\nfirst_page\x18\x01 \x01(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\r\n\x05owner\x18\x03 \x01(\t\"\xbe\x04\n\tMemoryMap\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\x03\x12\x11\n\tnum_pages\x18\x05 \x01(\x05\x12\x12\n\nfree_pages\x18\x06 \x01(\x05\x12\x13\n\x0blayer_start\x18\x07 \x01(\x05\x12\x11\n\tlayer_end\x18\x08 \x01(\x05\x12\x18\n\x10num_layers_model\x18\t \x01(\x05\x12\x14\n\x0cweight_pages\x18\n \x01(\x05\x12\x14\n\x0cweight_bytes\x18\x0b \x01(\x03\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x13\n\x0b\x62lock_bytes\x18\r \x01(\x03\x12\x1a\n\x12kv_pages_per_layer\x18\x0e \x01(\x05\x12\x11\n\tkv_blocks\x18\x0f \x01(\x03\x12\x16\n\x0ekv_blocks_used\x18\x10 \x01(\x03\x12\x1a\n\x12kv_capacity_tokens\x18\x11 \x01(\x03\x12\x19\n\x11kv_capacity_bytes\x18\x12 \x01(\x03\x12(\n\x06layers\x18\x13 \x03(\x0b\x32\x18.kunserve.v1.LayerMemory\x12.\n\x06groups\x18\x14 \x03(\x0b\x32\x1e.kunserve.v1.WeightGroupMemory\x12\'\n\tpage_runs\x18\x15 \x03(\x0b\x32\x14.kunserve.v1.PageRun\x12\x17\n\x0fhost_copy_bytes\x18\x16 \x01(\x03\x12\x12\n\ngeneration\x18\x17 \x01(\x04\"\x84\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kunserve.v1.SamplingParams\x12\x0e\n\x06\x61ttach\x18\x04 \x01(\x08\"\x8b\x01\n\x10WorkerTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.kunserve.v1.FinishReason\x12\x10\n\x08moved_to\x18\x05 \x01(\t\"\xf7\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x18\n\x10num_layers_model\x18\x04 \x01(\x05\x12\x13\n\x0blayer_start\x18\x05 \x01(\x05\x12\x11\n\tlayer_end\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x15\n\rmax_model_len\x18\x08 \x01(\x05\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\n \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x18\n\x10transfer_address\x18\r \x01(\t\x12\x10\n\x08group_id\x18\x0e \x01(\t\x12\x15\n\rgroup_members\x18\x0f \x03(\t\x12\r\n\x05\x65poch\x18\x10 \x01(\x04\x12\x0f\n\x07serving\x18\x11 \x01(\x08\x12\x15\n\rtransitioning\x18\x12 \x01(\x08\x32\xce\x05\n\x06Worker\x12O\n\x08Generate\x12\".kunserve.v1.WorkerGenerateRequest\x1a\x1d.kunserve.v1.WorkerTokenEvent0\x01\x12\x41\n\x06\x43\x61ncel\x12\x1a.kunserve.v1.CancelRequest\x1a\x1b.kunserve.v1.CancelResponse\x12\x38\n\x08GetStats\x12\x12.kunserve.v1.Empty\x1a\x18.kunserve.v1.WorkerStats\x12\x36\n\x07GetInfo\x12\x12.kunserve.v1.Empty\x1a\x17.kunserve.v1.WorkerInfo\x12\x46\n\nDropLayers\x12\x1e.kunserve.v1.DropLayersRequest\x1a\x18.kunserve.v1.LayerChange\x12L\n\rRestoreLayers\x12!.kunserve.v1.RestoreLayersRequest\x1a\x18.kunserve.v1.LayerChange\x12:\n\x0cGetMemoryMap\x12\x12.kunserve.v1.Empty\x1a\x16.kunserve.v1.MemoryMap\x12Q\n\x11PrepareTransition\x12\x1b.kunserve.v1.TransitionSpec\x1a\x1f.kunserve.v1.TransitionPrepared\x12M\n\x11\x45xecuteTransition\x12\x1b.kunserve.v1.TransitionSpec\x1a\x1b.kunserve.v1.TransitionDone\x12J\n\x0f\x41\x62ortTransition\x12\x1a.kunserve.v1.TransitionRef\x1a\x1b.kunserve.v1.TransitionDoneb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kunserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DROPLAYERSREQUEST']._serialized_start=67
-  _globals['_DROPLAYERSREQUEST']._serialized_end=102
-  _globals['_RESTORELAYERSREQUEST']._serialized_start=104
-  _globals['_RESTORELAYERSREQUEST']._serialized_end=158
-  _globals['_LAYERCHANGE']._serialized_start=161
-  _globals['_LAYERCHANGE']._serialized_end=453
-  _globals['_LAYERMEMORY']._serialized_start=455
-  _globals['_LAYERMEMORY']._serialized_end=564
-  _globals['_WEIGHTGROUPMEMORY']._serialized_start=566
-  _globals['_WEIGHTGROUPMEMORY']._serialized_end=629
-  _globals['_PAGERUN']._serialized_start=631
-  _globals['_PAGERUN']._serialized_end=690
-  _globals['_MEMORYMAP']._serialized_start=693
-  _globals['_MEMORYMAP']._serialized_end=1267
-  _globals['_WORKERGENERATEREQUEST']._serialized_start=1269
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=1385
-  _globals['_WORKERTOKENEVENT']._serialized_start=1387
-  _globals['_WORKERTOKENEVENT']._serialized_end=1508
-  _globals['_WORKERINFO']._serialized_start=1511
-  _globals['_WORKERINFO']._serialized_end=1764
-  _globals['_WORKER']._serialized_start=1767
-  _globals['_WORKER']._serialized_end=2247
+  _globals['_UNITMEMBER']._serialized_start=67
+  _globals['_UNITMEMBER']._serialized_end=164
+  _globals['_UNIT']._serialized_start=166
+  _globals['_UNIT']._serialized_end=231
+  _globals['_SEQSTATE']._serialized_start=234
+  _globals['_SEQSTATE']._serialized_end=529
+  _globals['_TRANSITIONSPEC']._serialized_start=532
+  _globals['_TRANSITIONSPEC']._serialized_end=688
+  _globals['_TRANSITIONREF']._serialized_start=690
+  _globals['_TRANSITIONREF']._serialized_end=720
+  _globals['_TRANSITIONPREPARED']._serialized_start=722
+  _globals['_TRANSITIONPREPARED']._serialized_end=846
+  _globals['_TRANSITIONDONE']._serialized_start=849
+  _globals['_TRANSITIONDONE']._serialized_end=1124
+  _globals['_DROPLAYERSREQUEST']._serialized_start=1126
+  _globals['_DROPLAYERSREQUEST']._serialized_end=1161
+  _globals['_RESTORELAYERSREQUEST']._serialized_start=1163
+  _globals['_RESTORELAYERSREQUEST']._serialized_end=1217
+  _globals['_LAYERCHANGE']._serialized_start=1220
+  _globals['_LAYERCHANGE']._serialized_end=1512
+  _globals['_LAYERMEMORY']._serialized_start=1514
+  _globals['_LAYERMEMORY']._serialized_end=1623
+  _globals['_WEIGHTGROUPMEMORY']._serialized_start=1625
+  _globals['_WEIGHTGROUPMEMORY']._serialized_end=1688
+  _globals['_PAGERUN']._serialized_start=1690
+  _globals['_PAGERUN']._serialized_end=1749
+  _globals['_MEMORYMAP']._serialized_start=1752
+  _globals['_MEMORYMAP']._serialized_end=2326
+  _globals['_WORKERGENERATEREQUEST']._serialized_start=2329
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=2461
+  _globals['_WORKERTOKENEVENT']._serialized_start=2464
+  _globals['_WORKERTOKENEVENT']._serialized_end=2603
+  _globals['_WORKERINFO']._serialized_start=2606
+  _globals['_WORKERINFO']._serialized_end=2981
+  _globals['_WORKER']._serialized_start=2984
+  _globals['_WORKER']._serialized_end=3702
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,114 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class UnitMember(_message.Message):
+    __slots__ = ("worker_id", "transfer_address", "layer_start", "layer_end")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    transfer_address: str
+    layer_start: int
+    layer_end: int
+    def __init__(self, worker_id: _Optional[str] = ..., transfer_address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
+class Unit(_message.Message):
+    __slots__ = ("unit_id", "members")
+    UNIT_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    unit_id: str
+    members: _containers.RepeatedCompositeFieldContainer[UnitMember]
+    def __init__(self, unit_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[UnitMember, _Mapping]]] = ...) -> None: ...
+
+class SeqState(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "generated_token_ids", "num_computed", "sampling", "generator_state", "num_preemptions", "age_s", "old_blocks", "new_blocks", "old_unit", "new_unit")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    OLD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OLD_UNIT_FIELD_NUMBER: _ClassVar[int]
+    NEW_UNIT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed: int
+    sampling: _common_pb2.SamplingParams
+    generator_state: bytes
+    num_preemptions: int
+    age_s: float
+    old_blocks: _containers.RepeatedScalarFieldContainer[int]
+    new_blocks: _containers.RepeatedScalarFieldContainer[int]
+    old_unit: str
+    new_unit: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., num_preemptions: _Optional[int] = ..., age_s: _Optional[float] = ..., old_blocks: _Optional[_Iterable[int]] = ..., new_blocks: _Optional[_Iterable[int]] = ..., old_unit: _Optional[str] = ..., new_unit: _Optional[str] = ...) -> None: ...
+
+class TransitionSpec(_message.Message):
+    __slots__ = ("epoch", "op", "old_units", "new_units", "seqs")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    OLD_UNITS_FIELD_NUMBER: _ClassVar[int]
+    NEW_UNITS_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    op: str
+    old_units: _containers.RepeatedCompositeFieldContainer[Unit]
+    new_units: _containers.RepeatedCompositeFieldContainer[Unit]
+    seqs: _containers.RepeatedCompositeFieldContainer[SeqState]
+    def __init__(self, epoch: _Optional[int] = ..., op: _Optional[str] = ..., old_units: _Optional[_Iterable[_Union[Unit, _Mapping]]] = ..., new_units: _Optional[_Iterable[_Union[Unit, _Mapping]]] = ..., seqs: _Optional[_Iterable[_Union[SeqState, _Mapping]]] = ...) -> None: ...
+
+class TransitionRef(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class TransitionPrepared(_message.Message):
+    __slots__ = ("worker_id", "seqs", "kv_blocks_after", "kv_blocks_now")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_NOW_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    seqs: _containers.RepeatedCompositeFieldContainer[SeqState]
+    kv_blocks_after: int
+    kv_blocks_now: int
+    def __init__(self, worker_id: _Optional[str] = ..., seqs: _Optional[_Iterable[_Union[SeqState, _Mapping]]] = ..., kv_blocks_after: _Optional[int] = ..., kv_blocks_now: _Optional[int] = ...) -> None: ...
+
+class TransitionDone(_message.Message):
+    __slots__ = ("worker_id", "epoch", "layer_start", "layer_end", "kv_blocks", "bytes_sent", "bytes_received", "gather_seconds", "exchange_seconds", "remap_seconds", "scatter_seconds", "requests_owned")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    GATHER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REMAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SCATTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_OWNED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    layer_start: int
+    layer_end: int
+    kv_blocks: int
+    bytes_sent: int
+    bytes_received: int
+    gather_seconds: float
+    exchange_seconds: float
+    remap_seconds: float
+    scatter_seconds: float
+    requests_owned: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., gather_seconds: _Optional[float] = ..., exchange_seconds: _Optional[float] = ..., remap_seconds: _Optional[float] = ..., scatter_seconds: _Optional[float] = ..., requests_owned: _Optional[int] = ...) -> None: ...
+
 class DropLayersRequest(_message.Message):
     __slots__ = ("layers",)
     LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -136,29 +244,33 @@ class MemoryMap(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers_model: _Optional[int] = ..., weight_pages: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., kv_pages_per_layer: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerMemory, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[WeightGroupMemory, _Mapping]]] = ..., page_runs: _Optional[_Iterable[_Union[PageRun, _Mapping]]] = ..., host_copy_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "attach")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    attach: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., attach: _Optional[bool] = ...) -> None: ...
 
 class WorkerTokenEvent(_message.Message):
-    __slots__ = ("request_id", "token_id", "index", "finish_reason")
+    __slots__ = ("request_id", "token_id", "index", "finish_reason", "moved_to")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    MOVED_TO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_id: int
     index: int
     finish_reason: _common_pb2.FinishReason
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
+    moved_to: str
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., moved_to: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "model_name", "num_layers_model", "layer_start", "layer_end", "vocab_size", "max_model_len", "block_size", "kv_blocks_total", "device", "dtype")
+    __slots__ = ("worker_id", "address", "model_name", "num_layers_model", "layer_start", "layer_end", "vocab_size", "max_model_len", "block_size", "kv_blocks_total", "device", "dtype", "transfer_address", "group_id", "group_members", "epoch", "serving", "transitioning")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +283,12 @@ class WorkerInfo(_message.Message):
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    TRANSITIONING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model_name: str
@@ -183,4 +301,10 @@ class WorkerInfo(_message.Message):
     kv_blocks_total: int
     device: str
     dtype: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers_model: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    transfer_address: str
+    group_id: str
+    group_members: _containers.RepeatedScalarFieldContainer[str]
+    epoch: int
+    serving: bool
+    transitioning: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers_model: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., transfer_address: _Optional[str] = ..., group_id: _Optional[str] = ..., group_members: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., transitioning: _Optional[bool] = ...) -> None: ...

@@ -70,6 +70,21 @@ class WorkerStub:
                 request_serializer=kunserve_dot_v1_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=kunserve_dot_v1_dot_worker__pb2.MemoryMap.FromString,
                 _registered_method=True)
+        self.PrepareTransition = channel.unary_unary(
+                '/kunserve.v1.Worker/PrepareTransition',
+                request_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionSpec.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionPrepared.FromString,
+                _registered_method=True)
+        self.ExecuteTransition = channel.unary_unary(
+                '/kunserve.v1.Worker/ExecuteTransition',
+                request_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionSpec.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionDone.FromString,
+                _registered_method=True)
+        self.AbortTransition = channel.unary_unary(
+                '/kunserve.v1.Worker/AbortTransition',
+                request_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionRef.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionDone.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -119,6 +134,28 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareTransition(self, request, context):
+        """Layout transitions (KunServe §4.1-§4.4), driven by the memory manager: merge instances into a
+        pipeline group (drop) or split a group back (restore). Prepare pauses the worker and reports the
+        requests it owns; Execute exchanges their KV over UCX, remaps memory and resumes in the new
+        layout; Abort (before Execute) resumes the old layout unchanged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExecuteTransition(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortTransition(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -156,6 +193,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetMemoryMap,
                     request_deserializer=kunserve_dot_v1_dot_common__pb2.Empty.FromString,
                     response_serializer=kunserve_dot_v1_dot_worker__pb2.MemoryMap.SerializeToString,
+            ),
+            'PrepareTransition': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareTransition,
+                    request_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionSpec.FromString,
+                    response_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionPrepared.SerializeToString,
+            ),
+            'ExecuteTransition': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExecuteTransition,
+                    request_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionSpec.FromString,
+                    response_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionDone.SerializeToString,
+            ),
+            'AbortTransition': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortTransition,
+                    request_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionRef.FromString,
+                    response_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionDone.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -347,6 +399,87 @@ class Worker:
             '/kunserve.v1.Worker/GetMemoryMap',
             kunserve_dot_v1_dot_common__pb2.Empty.SerializeToString,
             kunserve_dot_v1_dot_worker__pb2.MemoryMap.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareTransition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.Worker/PrepareTransition',
+            kunserve_dot_v1_dot_worker__pb2.TransitionSpec.SerializeToString,
+            kunserve_dot_v1_dot_worker__pb2.TransitionPrepared.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExecuteTransition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.Worker/ExecuteTransition',
+            kunserve_dot_v1_dot_worker__pb2.TransitionSpec.SerializeToString,
+            kunserve_dot_v1_dot_worker__pb2.TransitionDone.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortTransition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.Worker/AbortTransition',
+            kunserve_dot_v1_dot_worker__pb2.TransitionRef.SerializeToString,
+            kunserve_dot_v1_dot_worker__pb2.TransitionDone.FromString,
             options,
             channel_credentials,
             insecure,
