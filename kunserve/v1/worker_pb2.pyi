@@ -20,12 +20,14 @@ class UnitMember(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., transfer_address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
 
 class Unit(_message.Message):
-    __slots__ = ("unit_id", "members")
+    __slots__ = ("unit_id", "members", "kv_blocks")
     UNIT_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     unit_id: str
     members: _containers.RepeatedCompositeFieldContainer[UnitMember]
-    def __init__(self, unit_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[UnitMember, _Mapping]]] = ...) -> None: ...
+    kv_blocks: int
+    def __init__(self, unit_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[UnitMember, _Mapping]]] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
 
 class SeqState(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "generated_token_ids", "num_computed", "sampling", "generator_state", "num_preemptions", "age_s", "old_blocks", "new_blocks", "old_unit", "new_unit")
