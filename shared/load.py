@@ -43,6 +43,16 @@ class ClusterLoad:
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
 
+    def fresh_stats(self, now: float) -> list[common_pb2.WorkerStats]:
+        """The latest stats of every worker that reported within ``stale_after_s`` (sorted by worker id)."""
+        return [t.stats for _, t in sorted(self._workers.items()) if now - t.received_at <= self.stale_after_s]
+
+    def reported_since(self, t0: float, now: float, min_epoch: int = 0) -> bool:
+        """True when every fresh worker's latest stats arrived after ``t0`` and report layout epoch
+        ``min_epoch`` or later: the snapshot reflects a change that finished at ``t0``."""
+        return all(t.received_at > t0 and t.stats.epoch >= min_epoch
+                   for t in self._workers.values() if now - t.received_at <= self.stale_after_s)
+
     @staticmethod
     def is_overloaded(s: common_pb2.WorkerStats) -> bool:
         return s.kv_blocks_used + s.queued_demand_blocks > s.kv_blocks_total
