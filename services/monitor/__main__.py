@@ -2,23 +2,44 @@
 
 from __future__ import annotations
 
-
 from kunserve.services.common import load_service_config, service_arg_parser
-from kunserve.services.monitor.servicer import MonitorServicer
+from kunserve.services.monitor.servicer import (GrpcMemoryManager, MonitorServicer, OverloadController,
+                                                overload_config_from)
 from kunserve.shared import rpc
 from kunserve.v1 import monitor_pb2_grpc
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = service_arg_parser("kunserve-monitor", "Collects worker stats and serves cluster status.")
+    parser = service_arg_parser("kunserve-monitor", "Collects worker stats, serves cluster status and (monitor.auto_drop) "
+                                                    "asks the memory manager to drop on overload / restore on underload.")
     args = parser.parse_args(argv)
     cfg, log = load_service_config(args, "monitor", section="monitor")
-    servicer = MonitorServicer(stale_after_s=cfg.monitor.stale_after_s)
 
-    def register(server) -> None:
-        monitor_pb2_grpc.add_MonitorServicer_to_server(servicer, server)
+    async def amain() -> None:
+        servicer = MonitorServicer(stale_after_s=cfg.monitor.stale_after_s)
+        controller: OverloadController | None = None
+        if cfg.monitor.auto_drop:
+            controller = OverloadController(servicer.load, GrpcMemoryManager(cfg.memory_manager.address),
+                                            overload_config_from(cfg.monitor),
+                                            interval_s=cfg.monitor.policy_interval_s)
+        else:
+            log.info("auto_drop_disabled")
 
-    rpc.run(lambda: rpc.run_service("kunserve.v1.Monitor", cfg.monitor.bind_address, register))
+        def register(server) -> None:
+            monitor_pb2_grpc.add_MonitorServicer_to_server(servicer, server)
+
+        async def started() -> None:
+            if controller is not None:
+                controller.start()
+
+        async def stopping() -> None:
+            if controller is not None:
+                await controller.stop()
+
+        await rpc.run_service("kunserve.v1.Monitor", cfg.monitor.bind_address, register,
+                              on_started=started, on_shutdown=stopping)
+
+    rpc.run(amain)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,22 @@
-"""Monitor: receives every worker's stats stream and serves the cluster status."""
+"""Monitor: receives every worker's stats stream, serves the cluster status, and (with ``monitor.auto_drop``)
+runs the overload policy: drop on overload, restore on underload, through the memory manager (KunServe §4)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import grpc
 
 from kunserve.shared.load import ClusterLoad
 from kunserve.shared.log import get_logger
-from kunserve.v1 import common_pb2, monitor_pb2_grpc
+from kunserve.shared.overload import DROP, NONE, RESTORE, Decision, OverloadConfig, OverloadPolicy
+from kunserve.shared.rpc import insecure_channel
+from kunserve.shared.units import build_units
+from kunserve.v1 import common_pb2, memory_manager_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc
 
 
 class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
@@ -32,4 +40,247 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         return common_pb2.Empty()
 
     async def GetClusterStatus(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext):
+        # ClusterStatus has no fields for the policy's counters: they are in the monitor's log
+        # (events policy_drop / policy_restore / policy_action_failed, each with the counters).
         return self.load.status(time.monotonic(), time.time())
+
+
+# --- the overload policy loop -------------------------------------------------------------------------------
+
+
+class MemoryManagerActions(Protocol):
+    """What the policy loop needs from the memory manager (a fake in tests)."""
+
+    async def drop(self, required_blocks: int, reason: str) -> memory_manager_pb2.TransitionReport: ...
+
+    async def restore(self, group_id: str) -> memory_manager_pb2.TransitionReport: ...
+
+    async def close(self) -> None: ...
+
+
+class GrpcMemoryManager:
+    """MemoryManager.Drop / Restore over gRPC. Errors propagate as grpc.aio.AioRpcError."""
+
+    def __init__(self, address: str, *, drop_timeout_s: float = 120.0, restore_timeout_s: float = 300.0) -> None:
+        self.address = address
+        self.drop_timeout_s = drop_timeout_s
+        self.restore_timeout_s = restore_timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: memory_manager_pb2_grpc.MemoryManagerStub | None = None
+
+    def _get_stub(self) -> memory_manager_pb2_grpc.MemoryManagerStub:
+        if self._stub is None:
+            self._channel = insecure_channel(self.address)
+            self._stub = memory_manager_pb2_grpc.MemoryManagerStub(self._channel)
+        return self._stub
+
+    async def drop(self, required_blocks: int, reason: str) -> memory_manager_pb2.TransitionReport:
+        return await self._get_stub().Drop(
+            memory_manager_pb2.DropRequest(required_blocks=required_blocks, reason=reason),
+            timeout=self.drop_timeout_s)
+
+    async def restore(self, group_id: str) -> memory_manager_pb2.TransitionReport:
+        return await self._get_stub().Restore(memory_manager_pb2.RestoreRequest(group_id=group_id),
+                                              timeout=self.restore_timeout_s)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+
+@dataclass
+class PolicyCounters:
+    drops: int = 0              # drops that completed
+    restores: int = 0           # groups restored
+    failures: int = 0           # actions that failed: not completed, rolled back, or an RPC error
+    autoscale_needed: int = 0   # reports saying no drop plan can meet the requirement
+    ticks: int = 0
+    tick_errors: int = 0        # exceptions caught in the loop itself
+
+
+def _describe_error(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class OverloadController:
+    """Every ``interval_s``: units from the fresh stats -> OverloadPolicy.observe -> Drop / Restore.
+
+    One action at a time, awaited inline (the policy waits for it anyway). After an action that changed the
+    layout, decisions wait until every fresh worker has reported again at the new epoch (or
+    ``settle_timeout_s`` passed), so a stale pre-drop snapshot never triggers a second drop. After a failed
+    action the loop backs off exponentially (``backoff_s`` doubling up to ``max_backoff_s``).
+    """
+
+    def __init__(self, load: ClusterLoad, mm: MemoryManagerActions, config: OverloadConfig | None = None, *,
+                 interval_s: float = 0.2, backoff_s: float = 1.0, max_backoff_s: float = 30.0,
+                 settle_timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.load = load
+        self.mm = mm
+        self.policy = OverloadPolicy(config or OverloadConfig())
+        self.interval_s = interval_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.settle_timeout_s = settle_timeout_s if settle_timeout_s is not None else max(2.0, 2 * load.stale_after_s)
+        self.clock = clock
+        self.counters = PolicyCounters()
+        self.log = get_logger().bind(component="overload_policy")
+        self._fail_streak = 0
+        self._backoff_until = -float("inf")
+        self._settle: tuple[float, int, float] | None = None  # (changed at, min epoch, give up at)
+        self._last_skipped: dict[str, str] = {}
+        self._last_reason = ""
+        self._task: asyncio.Task | None = None
+
+    # -- lifecycle --
+
+    def start(self) -> asyncio.Task:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self.run_forever(), name="overload-policy")
+        return self._task
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            except Exception as exc:  # pragma: no cover - run_forever catches everything
+                self.log.error("policy_task_failed", error=_describe_error(exc))
+        try:
+            await self.mm.close()
+        except Exception as exc:  # closing must not break shutdown
+            self.log.warning("policy_close_failed", error=_describe_error(exc))
+        self.log.info("policy_stopped", **asdict(self.counters))
+
+    async def run_forever(self) -> None:
+        self.log.info("policy_started", interval_s=self.interval_s, config=asdict(self.policy.config))
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # never let the loop die: log and go on
+                self.counters.tick_errors += 1
+                self.log.exception("policy_tick_error", error=_describe_error(exc))
+            await asyncio.sleep(self.interval_s)
+
+    # -- one step --
+
+    async def tick(self) -> Decision | None:
+        """Observe once and carry out the decision. Returns the decision, None when the tick was skipped."""
+        now = self.clock()
+        self.counters.ticks += 1
+        if now < self._backoff_until:
+            return None
+        if self._settle is not None:
+            changed_at, min_epoch, give_up_at = self._settle
+            if not self.load.reported_since(changed_at, now, min_epoch) and now < give_up_at:
+                return None
+            self._settle = None
+        units = build_units(self.load.fresh_stats(now))
+        if units.skipped != self._last_skipped:
+            if units.skipped:
+                self.log.info("policy_units_skipped", skipped=units.skipped)
+            self._last_skipped = dict(units.skipped)
+        if units.transitioning:
+            return None  # a transition (ours or a forced one) is under way: its numbers are about to change
+        decision = self.policy.observe(now, units.loads)
+        if decision.action == NONE:
+            if decision.reason and decision.reason != self._last_reason:
+                self.log.debug("policy_waiting", reason=decision.reason, units=list(decision.units))
+            self._last_reason = decision.reason
+            return decision
+        self._last_reason = ""
+        try:
+            await self._act(decision, {u.unit_id: u.load for u in units.units})
+        except BaseException:
+            if self.policy.pending is not None:  # never leave the policy waiting for a completion
+                self.policy.complete(self.clock(), ok=False)
+            raise
+        return decision
+
+    async def _act(self, decision: Decision, loads: dict) -> None:
+        if decision.action == DROP:
+            self.log.info("policy_drop_decided", required_blocks=decision.required_blocks,
+                          overloaded=list(decision.units), reason=decision.reason,
+                          loads={uid: (loads[uid].used_blocks, loads[uid].queued_demand_blocks,
+                                       loads[uid].total_blocks) for uid in decision.units if uid in loads})
+            await self._drop(decision)
+        elif decision.action == RESTORE:
+            self.log.info("policy_restore_decided", groups=list(decision.units), reason=decision.reason,
+                          loads={uid: (loads[uid].usage, loads[uid].undropped_total)
+                                 for uid in decision.units if uid in loads})
+            await self._restore(decision)
+
+    async def _drop(self, decision: Decision) -> None:
+        try:
+            rep = await self.mm.drop(decision.required_blocks, "overload")
+        except Exception as exc:  # an RPC error (or anything else) is a failed action
+            self._failed("drop", _describe_error(exc))
+            return
+        if rep.autoscale_needed:
+            self.counters.autoscale_needed += 1
+            self.log.warning("policy_autoscale_needed", required_blocks=decision.required_blocks,
+                             completed=rep.completed, error=rep.error)
+        if not rep.completed:
+            self._failed("drop", rep.error or "not completed", rolled_back=rep.rolled_back, epoch=rep.epoch)
+            return
+        self.counters.drops += 1
+        self._succeeded(rep.epoch)
+        self.log.info("policy_drop", epoch=rep.epoch,
+                      groups={g.group_id: [m.worker_id for m in g.members] for g in rep.groups if len(g.members) > 1},
+                      requests_moved=rep.requests_moved, kv_bytes_moved=rep.kv_bytes_moved,
+                      total_seconds=rep.total_seconds, counters=asdict(self.counters))
+
+    async def _restore(self, decision: Decision) -> None:
+        done: list[str] = []
+        errors: dict[str, str] = {}
+        epoch = 0
+        for gid in decision.units:
+            try:
+                rep = await self.mm.restore(gid)
+            except Exception as exc:
+                errors[gid] = _describe_error(exc)
+                continue
+            if rep.completed:
+                done.append(gid)
+                epoch = max(epoch, rep.epoch)
+                self.counters.restores += 1
+            else:
+                errors[gid] = rep.error or "not completed"
+        if errors:
+            self._failed("restore", "; ".join(f"{g}: {e}" for g, e in errors.items()), restored=done)
+            if done:  # the layout did change: wait for fresh stats all the same
+                self._settle = (self.clock(), epoch, self.clock() + self.settle_timeout_s)
+            return
+        self._succeeded(epoch)
+        self.log.info("policy_restore", epoch=epoch, groups=done, counters=asdict(self.counters))
+
+    def _succeeded(self, epoch: int) -> None:
+        now = self.clock()
+        self.policy.complete(now, ok=True)
+        self._fail_streak = 0
+        self._backoff_until = -float("inf")
+        self._settle = (now, epoch, now + self.settle_timeout_s)
+
+    def _failed(self, action: str, error: str, **extra) -> None:
+        now = self.clock()
+        self.policy.complete(now, ok=False)
+        self.counters.failures += 1
+        self._fail_streak += 1
+        backoff = min(self.max_backoff_s, self.backoff_s * 2 ** (self._fail_streak - 1))
+        self._backoff_until = now + backoff
+        self.log.warning("policy_action_failed", action=action, error=error, retry_in_s=backoff,
+                         counters=asdict(self.counters), **extra)
+
+
+def overload_config_from(section) -> OverloadConfig:
+    """OverloadConfig from the config file's [monitor] section."""
+    return OverloadConfig(overload_hold_s=section.overload_hold_s, restore_threshold=section.restore_threshold,
+                          restore_hold_s=section.restore_hold_s, restore_cooldown_s=section.restore_cooldown_s,
+                          action_timeout_s=600.0)  # actions are awaited inline and always completed
