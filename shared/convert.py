@@ -19,7 +19,8 @@ FINISH_NAMES = {v: k.value for k, v in _FINISH_TO_PB.items()}
 
 
 def finish_to_pb(reason: FinishReason) -> int:
-    return _FINISH_TO_PB[reason]
+    # LOST never reaches a client: the worker ends such a stream with UNAVAILABLE (the dispatcher resumes it)
+    return _FINISH_TO_PB.get(reason, common_pb2.FINISH_REASON_ABORTED)
 
 
 def finish_from_pb(value: int) -> FinishReason:

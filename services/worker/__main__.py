@@ -11,6 +11,7 @@ from kunserve.services.worker.build import WorkerBuildError, build_worker
 from kunserve.services.worker.reporter import report_stats_forever
 from kunserve.services.worker.servicer import WorkerServicer
 from kunserve.shared import rpc
+from kunserve.shared.transfer.service import TransferService
 from kunserve.v1 import worker_pb2_grpc
 
 
@@ -31,7 +32,15 @@ def main(argv: list[str] | None = None) -> None:
              kv_blocks=engine_loop.stats().kv_blocks_total, device=identity.device, memory=repr(instance.layout))
 
     async def amain() -> None:
-        servicer = WorkerServicer(identity, engine_loop, instance)
+        wsec = cfg.worker(args.worker_id)
+        transfer = TransferService(args.worker_id, host=wsec.host)
+        try:
+            await transfer.start(wsec.transfer_port)
+        except Exception as exc:  # no UCX here: the worker still serves, but cannot join pipeline groups
+            log.error("transfer_service_unavailable", error=f"{type(exc).__name__}: {exc}")
+            transfer = None
+        servicer = WorkerServicer(identity, engine_loop, instance, transfer,
+                                  cfg.memory_manager.transition_timeout_s)
         tasks: list[asyncio.Task] = []
 
         def register(server) -> None:
@@ -46,8 +55,9 @@ def main(argv: list[str] | None = None) -> None:
             for t in tasks:
                 t.cancel()
             await servicer.shutdown()
+            if transfer is not None:
+                await transfer.close()
 
-        wsec = cfg.worker(args.worker_id)
         await rpc.run_service("kunserve.v1.Worker", wsec.bind_address, register, on_started=started,
                               on_shutdown=stopping)
 

@@ -19,6 +19,9 @@ from kunserve.shared.engine.pooled import LayerChange, PooledInstance
 from kunserve.shared.log import get_logger
 from kunserve.shared.memory.errors import MemoryPoolError
 from kunserve.shared.streams import Shutdown, StreamRegistry
+from kunserve.shared.transfer.service import TransferError
+
+from .transition import Moved, TransitionRefused, TransitionRunner
 from kunserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
@@ -35,19 +38,47 @@ class WorkerIdentity:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, identity: WorkerIdentity, engine_loop, instance: PooledInstance) -> None:
+    def __init__(self, identity: WorkerIdentity, engine_loop, instance: PooledInstance,
+                 transfer=None, transition_timeout_s: float = 60.0) -> None:
         self.identity = identity
         self.engine = engine_loop  # EngineLoop
         self.instance = instance
         self._remap_lock = asyncio.Lock()  # one drop / restore at a time
         self.streams: StreamRegistry[TokenEvent] = StreamRegistry()
         self.log = get_logger()
+        self.undropped_blocks = instance.capacity_for(0, identity.num_layers_model)
+        # Cluster layout transitions (drop into / restore from pipeline groups); needs the transfer service.
+        self.transitions: TransitionRunner | None = None
+        if transfer is not None:
+            self.transitions = TransitionRunner(identity.worker_id, engine_loop, instance, transfer, self.streams,
+                                                transition_timeout_s)
+
+    # -- layout state ---------------------------------------------------------------------------------
+    @property
+    def transitioning(self) -> bool:
+        return self.transitions is not None and self.transitions.transitioning
+
+    @property
+    def serving(self) -> bool:
+        return self.engine.running and self.engine.engine.serving and not self.transitioning
 
     # -- requests ---------------------------------------------------------------------------------
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        if request.attach:
+            queue = self.transitions.moved_in.pop(rid, None) if self.transitions is not None else None
+            if queue is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: no request {rid!r} moved to worker "
+                                    f"{self.identity.worker_id} (or it was attached already)")
+            async for ev in self._pump(rid, queue, context):
+                yield ev
+            return
+        if self.transitioning:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.identity.worker_id} is changing its layout (drop / restore); "
+                                "retry shortly or on another worker")
         if rid in self.streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running on this worker")
         engine_request = EngineRequest(
@@ -56,26 +87,44 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             sampling=sampling_from_pb(request.sampling),
             arrival_time=time.monotonic(),
         )
-        if not self.instance.serving:
+        if not self.engine.engine.serving:
             start, end = self.instance.layer_range
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"worker {self.identity.worker_id} holds layers [{start}, {end}) of "
-                                f"{self.identity.num_layers_model} after a drop and cannot serve alone; "
-                                "restore its layers or route through its pipeline group")
+                                f"{self.identity.num_layers_model} and is a later stage of its pipeline group; "
+                                "send requests to the group's head")
         queue = self.streams.open(rid)
+        try:
+            self.engine.submit(engine_request, lambda ev: self.streams.put_threadsafe(rid, ev))
+        except InvalidRequest as exc:
+            self.streams.close(rid)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineStopped as exc:
+            self.streams.close(rid)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.identity.worker_id}: {exc}")
+        async for ev in self._pump(rid, queue, context):
+            yield ev
+
+    async def _pump(self, rid: str, queue: asyncio.Queue, context):
+        """Relay one request's engine events to its stream until it finishes, moves or is lost."""
+        wid = self.identity.worker_id
         finished = False
         try:
-            try:
-                self.engine.submit(engine_request, lambda ev: self.streams.put_threadsafe(rid, ev))
-            except InvalidRequest as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except EngineStopped as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.identity.worker_id}: {exc}")
             while True:
                 item = await queue.get()
                 if isinstance(item, Shutdown):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, item.message)
+                if isinstance(item, Moved):
+                    finished = True  # the engine here no longer has it
+                    yield worker_pb2.WorkerTokenEvent(request_id=rid, token_id=-1, moved_to=item.worker_id)
+                    return
                 ev: TokenEvent = item
+                if ev.finish_reason is FinishReason.LOST or (
+                        ev.finish_reason is FinishReason.ABORTED and ev.token_id < 0 and self.engine.error is not None):
+                    finished = True
+                    why = f"engine failed: {self.engine.error!r}" if self.engine.error is not None else \
+                        "it cannot serve this request any more (layout changed)"
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {wid}: {why}; resume it elsewhere")
                 if ev.finish_reason is FinishReason.ABORTED and ev.token_id < 0:
                     finished = True
                     yield worker_pb2.WorkerTokenEvent(request_id=rid, token_id=-1, index=ev.index,
@@ -100,6 +149,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return common_pb2.CancelResponse(cancelled=True)
 
     # -- observation ------------------------------------------------------------------------------
+    def _layout_fields(self) -> dict:
+        t = self.transitions
+        return dict(serving=self.serving, group_id=t.unit_id if t else self.identity.worker_id,
+                    group_members=t.members if t else [self.identity.worker_id], epoch=t.epoch if t else 0,
+                    transitioning=self.transitioning)
+
     def current_stats(self) -> common_pb2.WorkerStats:
         ident = self.identity
         start, end = self.instance.layer_range
@@ -107,10 +162,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         busy_idle = busy_idle_fields(engine.busy_idle()) if hasattr(engine, "busy_idle") else {}
         return stats_to_pb(
             self.engine.stats(), worker_id=ident.worker_id, address=ident.address, timestamp_unix_s=time.time(),
-            layer_start=start, layer_end=end, num_layers_model=ident.num_layers_model, **busy_idle,
+            layer_start=start, layer_end=end, num_layers_model=ident.num_layers_model,
+            kv_blocks_undropped=self.undropped_blocks, **self._layout_fields(), **busy_idle,
         )
 
     async def GetStats(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext):
+        if self.engine.error is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"worker {self.identity.worker_id}: engine failed: {self.engine.error!r}")
         return self.current_stats()
 
     async def GetInfo(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext):
@@ -122,6 +181,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_layers_model=ident.num_layers_model, layer_start=start, layer_end=end,
             vocab_size=ident.vocab_size, max_model_len=ident.max_model_len, block_size=stats.block_size,
             kv_blocks_total=stats.kv_blocks_total, device=ident.device, dtype=ident.dtype,
+            transfer_address=self.transitions.svc.address if self.transitions else "", **self._layout_fields(),
         )
 
     # -- memory pool --------------------------------------------------------------------------------------
@@ -151,8 +211,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "layers: must not be empty")
         return layers
 
+    async def _not_in_group(self, context) -> None:
+        t = self.transitions
+        if t is not None and (t.role is not None or t.transitioning):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.identity.worker_id} is in pipeline group {t.unit_id}: change its layers "
+                                "through the memory manager (kunctl restore / drop), not one worker at a time")
+
     async def DropLayers(self, request: worker_pb2.DropLayersRequest, context: grpc.aio.ServicerContext):
         layers = await self._layers(request, context)
+        await self._not_in_group(context)
         async with self._remap_lock:
             change = await self._on_engine(context, lambda: self.instance.drop(layers))
         self.log.info("layers_dropped", layers=layers, held=list(self.instance.layer_range),
@@ -162,6 +230,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def RestoreLayers(self, request: worker_pb2.RestoreLayersRequest, context: grpc.aio.ServicerContext):
         layers = await self._layers(request, context)
+        await self._not_in_group(context)
         source = request.source or ("host" if self.instance.host_copy is not None else "checkpoint")
         async with self._remap_lock:
             change = await self._on_engine(context, lambda: self.instance.restore(layers, source))
@@ -188,7 +257,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             page_runs=[worker_pb2.PageRun(first_page=a, count=b, owner=o) for a, b, o in m["page_runs"]],
             host_copy_bytes=m["host_copy_bytes"], generation=m["generation"])
 
+    # -- layout transitions (driven by the memory manager) -------------------------------------------------
+    async def _transition(self, context, step):
+        if self.transitions is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.identity.worker_id} runs without a transfer service")
+        try:
+            return await step(self.transitions)
+        except TransitionRefused as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code), f"worker {self.identity.worker_id}: {exc}")
+        except (MemoryPoolError, ValueError, TimeoutError, RuntimeError, TransferError) as exc:
+            await context.abort(grpc.StatusCode.ABORTED, f"worker {self.identity.worker_id}: transition failed "
+                                f"({type(exc).__name__}: {exc}); healed to a whole instance")
+
+    async def PrepareTransition(self, request: worker_pb2.TransitionSpec, context: grpc.aio.ServicerContext):
+        return await self._transition(context, lambda t: t.prepare(request))
+
+    async def ExecuteTransition(self, request: worker_pb2.TransitionSpec, context: grpc.aio.ServicerContext):
+        return await self._transition(context, lambda t: t.execute(request))
+
+    async def AbortTransition(self, request: worker_pb2.TransitionRef, context: grpc.aio.ServicerContext):
+        return await self._transition(context, lambda t: t.abort(request.epoch))
+
     async def shutdown(self) -> None:
-        """End every in-flight stream with UNAVAILABLE, then stop the engine thread."""
+        """End every in-flight stream with UNAVAILABLE, then stop the engine thread (off the event loop:
+        joining it may take a step's time)."""
         self.streams.shutdown_all(f"worker {self.identity.worker_id} is shutting down")
-        self.engine.stop(timeout=5.0)
+        await asyncio.to_thread(self.engine.stop, 5.0)

@@ -82,6 +82,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # a stop token id
     EOS = "eos"  # the model's end-of-sequence token
     ABORTED = "aborted"  # cancelled by the client or the system
+    LOST = "lost"  # this worker cannot go on with it (group broke, not serving): resume elsewhere (never on the wire)
 
 
 @dataclass(frozen=True)

@@ -14,22 +14,60 @@ idle time while requests were queued is this instance's "bubble" (accounting.py)
 
 from __future__ import annotations
 
+import collections
 import random
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Protocol
 
 import torch
 
 from kunserve.shared.engine.accounting import BusyIdle, BusyIdleClock
 from kunserve.shared.engine.api import EngineRequest, EngineStats, FinishReason, InvalidRequest, TokenEvent
-from kunserve.shared.engine.attention import build_metadata
 from kunserve.shared.engine.kv_cache import BlockAllocator, BlockTable, KVStorage, TorchKVStorage
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.sampler import sample
+from kunserve.shared.engine.stage_wire import StageBatch
 from kunserve.shared.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence, TokenBudget
 from kunserve.shared.model.config import ModelConfig
 from kunserve.shared.model.weights import Weights
 
-__all__ = ["Engine", "SchedulerConfig"]
+__all__ = ["Engine", "SchedulerConfig", "PipelineLink", "GroupBroken", "NotServing", "SeqSnapshot"]
+
+
+class GroupBroken(RuntimeError):
+    """A pipeline stage of this head's group is gone (or timed out); the worker heals to a whole instance."""
+
+
+class NotServing(InvalidRequest):
+    """A request reached a worker that holds part of the model and heads no group (a drop raced with it)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("worker", message)
+
+
+class PipelineLink(Protocol):
+    """How a group head reaches its later stages (the worker implements it over UCX)."""
+
+    max_inflight: int
+
+    def send(self, batch: StageBatch, hidden: torch.Tensor) -> None:
+        """Hand the head's output for batch to stage 1 (must not block on the network)."""
+
+    def result(self, mb_id: int, block: bool) -> torch.Tensor | None:
+        """Logits of batch mb_id from the last stage; None when not there yet and not block. Raises
+        GroupBroken when a stage is lost or the wait times out."""
+
+
+@dataclass
+class SeqSnapshot:
+    """A request's engine state, for moving it to another unit's head (layout transitions)."""
+
+    request: EngineRequest
+    generated: list[int]
+    num_computed: int
+    blocks: list[int]
+    generator_state: bytes = b""
+    num_preemptions: int = 0
 
 
 class Engine:
@@ -67,6 +105,12 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
         self.clock = BusyIdleClock()
+        self._mb_counter = 0
+        # Pipeline-group head mode (KunServe §3): later stages reached through `link`; the block-id space
+        # is shared by every member, so it is capped at the smallest member's capacity (kv_limit).
+        self.link: PipelineLink | None = None
+        self.kv_limit: int | None = None
+        self._inflight: collections.deque[tuple[int, list[ScheduledChunk], list[ScheduledChunk]]] = collections.deque()
 
     # -- requests -------------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -74,7 +118,15 @@ class Engine:
         request.validate(self.cfg.vocab_size, self.cfg.max_position_embeddings)
         self.scheduler.check_fits(request)
 
+    @property
+    def serving(self) -> bool:
+        """Whether requests may be added: the whole model here, or the head of a pipeline group."""
+        return self.runner.is_first and (self.runner.is_last or self.link is not None)
+
     def add_request(self, request: EngineRequest) -> None:
+        if not self.serving:
+            raise NotServing(f"this worker holds layers [{self.runner.start}, {self.runner.end}) only and heads "
+                             "no pipeline group; retry on a serving worker")
         self.validate(request)
         if request.request_id in self.seqs:
             raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
@@ -95,7 +147,7 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.seqs)
+        return bool(self.seqs) or bool(self._inflight)
 
     # -- one iteration ----------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
@@ -109,6 +161,8 @@ class Engine:
             self.clock.end_busy(still_waiting=bool(self.seqs))
 
     def _step(self) -> list[TokenEvent]:
+        if self.link is not None:
+            return self._step_pipelined(self.link)
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -123,8 +177,9 @@ class Engine:
         tokens = sample(logits, [c.seq.request.sampling for c in sampled], [c.seq.generator for c in sampled])
         return [self._append(chunk.seq, tok) for chunk, tok in zip(sampled, tokens)]
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Run the flat token batch of this step; logits [len(sampled), vocab] for the completing chunks."""
+    def _build(self, chunks: list[ScheduledChunk]) -> tuple[StageBatch, list[int], list[ScheduledChunk]]:
+        """The flat token batch of this step (decodes first, then chunks): what every stage needs, the token
+        ids (first stage only) and the chunks whose last token gets logits."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -134,7 +189,7 @@ class Engine:
         row = 0
         for c in chunks:
             s, start, n = c.seq, c.start, c.num_tokens
-            table = s.block_table.ids
+            table = s.block_table.ids[: -(-(start + n) // bs)]  # the blocks this chunk's context uses
             if n == 1:
                 ids.append(s.tokens[start])
                 positions.append(start)
@@ -152,12 +207,119 @@ class Engine:
                 logit_rows.append(row + n - 1)
                 sampled.append(c)
             row += n
+        rows = None if len(logit_rows) == row else logit_rows
+        self._mb_counter += 1
+        return StageBatch(self._mb_counter, positions, slot_b, slot_o, decodes, prefills, rows), ids, sampled
+
+    def _run_local(self, batch: StageBatch, ids: list[int]) -> torch.Tensor:
+        """This engine's layers over the batch: logits (whole model) or hidden states (pipeline head)."""
         dev = self.device
-        meta = build_metadata(slot_b, slot_o, decodes, prefills, bs, dev)
-        rows = None if len(logit_rows) == row else torch.tensor(logit_rows, dtype=torch.long, device=dev)
-        logits = self.runner.forward(torch.tensor(ids, dtype=torch.long, device=dev),
-                                     torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta, rows)
-        return logits.cpu(), sampled
+        return self.runner.forward(torch.tensor(ids, dtype=torch.long, device=dev), batch.positions_tensor(dev),
+                                   self.kv, batch.metadata(self.block_size, dev),
+                                   batch.rows_tensor(dev) if self.runner.is_last else None)
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """Run the flat token batch of this step; logits [len(sampled), vocab] for the completing chunks."""
+        batch, ids, sampled = self._build(chunks)
+        return self._run_local(batch, ids).cpu(), sampled
+
+    def _step_pipelined(self, link: PipelineLink) -> list[TokenEvent]:
+        """Head of a pipeline group: ship one microbatch when fewer than max_inflight are out (the head runs
+        its own layers, then the later stages run theirs in their processes while the head forms the next
+        one), then take whatever results came back; block for one only when nothing could be shipped."""
+        shipped = False
+        if len(self._inflight) < link.max_inflight:
+            chunks = self.scheduler.schedule()
+            if chunks:
+                batch, ids, sampled = self._build(chunks)
+                hidden = self._run_local(batch, ids)
+                link.send(batch, hidden)
+                for chunk in chunks:
+                    seq = chunk.seq
+                    if chunk.start == 0 and seq.num_preemptions == 0:
+                        self.prompt_tokens_total += len(seq.request.prompt_token_ids)
+                    seq.num_computed = chunk.start + chunk.num_tokens
+                    self.scheduler.pin(seq)
+                self._inflight.append((batch.mb_id, chunks, sampled))
+                shipped = True
+        return self._collect(link, block=not shipped)
+
+    def _collect(self, link: PipelineLink, block: bool) -> list[TokenEvent]:
+        """Results of the microbatches in flight, oldest first; waits for the first one when block."""
+        events: list[TokenEvent] = []
+        while self._inflight:
+            logits = link.result(self._inflight[0][0], block=block and not events)
+            if logits is None:
+                break
+            _, chunks, sampled = self._inflight.popleft()
+            for chunk in chunks:
+                self.scheduler.unpin(chunk.seq)
+            live = [i for i, c in enumerate(sampled) if self.seqs.get(c.seq.request_id) is c.seq]  # not aborted
+            if live:
+                tokens = sample(logits[torch.tensor(live, dtype=torch.long)],
+                                [sampled[i].seq.request.sampling for i in live], [sampled[i].seq.generator for i in live])
+                events.extend(self._append(sampled[i].seq, tok) for i, tok in zip(live, tokens))
+        return events
+
+    # -- layout transitions -----------------------------------------------------------------------------
+    def snapshot(self) -> list[SeqSnapshot]:
+        """Every request's state in FCFS order (call with nothing in flight: see drain_inflight)."""
+        out = []
+        for seq in sorted(self.seqs.values(), key=lambda s: s.order):
+            gen = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else b""
+            out.append(SeqSnapshot(seq.request, list(seq.generated), seq.num_computed, list(seq.block_table.ids),
+                                   gen, seq.num_preemptions))
+        return out
+
+    def drain_inflight(self) -> list[TokenEvent]:
+        """Wait for every microbatch in flight (a transition starts from a quiet pipeline)."""
+        events: list[TokenEvent] = []
+        while self._inflight and self.link is not None:
+            events.extend(self._collect(self.link, block=True))
+        return events
+
+    def clear(self) -> None:
+        """Forget every request and free every block, without events (their state was snapshotted)."""
+        self.seqs.clear()
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        self.scheduler.pinned.clear()
+        self._inflight.clear()
+        self.allocator = BlockAllocator(self.allocator.num_blocks)
+        self.scheduler.allocator = self.allocator
+
+    def install(self, snaps: Iterable[SeqSnapshot]) -> None:
+        """Take over requests (with their block tables in this engine's block space) after clear()."""
+        used: list[int] = []
+        for snap in snaps:
+            gen = None
+            if snap.generator_state:
+                gen = torch.Generator()
+                gen.set_state(torch.frombuffer(bytearray(snap.generator_state), dtype=torch.uint8))
+            elif not snap.request.sampling.greedy:
+                seed = snap.request.sampling.seed if snap.request.sampling.seed is not None else random.getrandbits(63)
+                gen = torch.Generator().manual_seed(seed)
+            seq = Sequence(snap.request, list(snap.request.prompt_token_ids) + list(snap.generated),
+                           BlockTable(self.block_size, snap.blocks), generator=gen)
+            seq.generated = list(snap.generated)
+            seq.num_computed = snap.num_computed if snap.blocks else 0
+            seq.num_preemptions = snap.num_preemptions
+            used.extend(snap.blocks)
+            self.seqs[seq.request_id] = seq
+            if seq.block_table:
+                self.scheduler._insert(self.scheduler.running, seq)
+            else:
+                self.scheduler.add(seq)
+        self.allocator.take(used)
+        if self.seqs:
+            self.clock.work_waiting()
+
+    def preempt_all(self) -> None:
+        """Recompute preemption of every request (their KV is gone or untrusted: a group broke)."""
+        self._inflight.clear()
+        self.scheduler.pinned.clear()
+        for seq in list(self.scheduler.running):
+            self.scheduler.preempt(seq)
 
     def _append(self, seq: Sequence, token: int) -> TokenEvent:
         seq.tokens.append(token)
@@ -181,7 +343,7 @@ class Engine:
         """Follow kv_storage.num_blocks after the pool remapped pages: grow the allocator at the tail, or
         shrink it when the tail blocks are free (else BlockAllocatorError: compact first). Returns the
         new block count. Call between steps."""
-        new = self.kv.num_blocks
+        new = self.kv.num_blocks if self.kv_limit is None else min(self.kv.num_blocks, self.kv_limit)
         old = self.allocator.num_blocks
         if new > old:
             self.allocator.grow(new - old)

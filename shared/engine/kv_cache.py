@@ -87,6 +87,15 @@ class BlockAllocator:
             self._free_set.add(i)
             heapq.heappush(self._free, i)
 
+    def take(self, ids: Iterable[int]) -> None:
+        """Mark specific free blocks used (a transition installs requests with their new tables)."""
+        ids = list(ids)
+        bad = [i for i in ids if i not in self._free_set]
+        if bad or len(set(ids)) != len(ids):
+            raise BlockAllocatorError(f"blocks {sorted(set(bad))[:8] or ids[:8]} are not free (or given twice)")
+        self._free_set.difference_update(ids)
+        self._free = sorted(self._free_set)
+
     def used_ids(self) -> list[int]:
         return sorted(set(range(self.num_blocks)) - self._free_set)
 

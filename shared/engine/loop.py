@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from kunserve.shared.engine.api import EngineRequest, EngineStats, FinishReason, InvalidRequest, TokenEvent
-from kunserve.shared.engine.engine import Engine
+from kunserve.shared.engine.engine import Engine, GroupBroken, NotServing
 from kunserve.shared.log import get_logger
 
 EventCallback = Callable[[TokenEvent], None]
@@ -41,6 +41,10 @@ class EngineLoop:
         self._stats = engine.stats()
         self.error: BaseException | None = None  # what killed the engine thread, if anything
         self.log = get_logger()
+        self._paused = False  # a layout transition holds the engine: commands run, iterations do not
+        # Called on the engine thread when a pipeline stage is lost (GroupBroken): the worker heals to a
+        # whole instance there; without it (or when it fails) the loop stops like on any crash.
+        self.on_group_broken: Callable[[Engine, GroupBroken], None] | None = None
 
     # -- called from any thread --------------------------------------------------------------------------
     def submit(self, request: EngineRequest, on_event: EventCallback) -> None:
@@ -79,6 +83,31 @@ class EngineLoop:
             self._cv.notify()
         return fut
 
+    def register(self, request_id: str, on_event: EventCallback) -> None:
+        """Receive the events of a request a transition installed directly in the engine."""
+        with self._cv:
+            self._callbacks[request_id] = on_event
+
+    def forget(self, request_id: str) -> EventCallback | None:
+        """Stop delivering a request's events, without a final one (a transition moved it away)."""
+        with self._cv:
+            return self._callbacks.pop(request_id, None)
+
+    def pause(self) -> None:
+        """Run no iteration until resume() (calls and commands still run): a transition's quiet point."""
+        with self._cv:
+            self._paused = True
+            self._cv.notify()
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest iteration (never blocks on a running step)."""
         return self._stats
@@ -106,6 +135,10 @@ class EngineLoop:
         return not self._thread.is_alive()
 
     # -- the engine thread -----------------------------------------------------------------------------------
+    def emit(self, ev: TokenEvent) -> None:
+        """Deliver an event produced outside step() (e.g. by a transition's drain); engine thread only."""
+        self._emit(ev)
+
     def _emit(self, ev: TokenEvent) -> None:
         with self._cv:
             cb = self._callbacks.pop(ev.request_id, None) if ev.finished else self._callbacks.get(ev.request_id)
@@ -125,6 +158,8 @@ class EngineLoop:
                 assert isinstance(arg, EngineRequest)
                 try:
                     self.engine.add_request(arg)
+                except NotServing:  # layers were dropped since submit: the dispatcher retries elsewhere
+                    self._emit(TokenEvent(arg.request_id, -1, 0, FinishReason.LOST))
                 except InvalidRequest:  # capacity shrank since submit: report it as an abort
                     self._emit(TokenEvent(arg.request_id, -1, 0, FinishReason.ABORTED))
             elif kind == "call":
@@ -167,12 +202,22 @@ class EngineLoop:
         try:
             while True:
                 with self._cv:
-                    while not self._stop and not self._commands and not self.engine.has_work():
+                    while not self._stop and not self._commands and (self._paused or not self.engine.has_work()):
                         self._cv.wait()
                     if self._stop:
                         break
                 self._apply_commands()
-                for ev in self.engine.step():
+                if self._paused:
+                    continue
+                try:
+                    events = self.engine.step()
+                except GroupBroken as exc:
+                    if self.on_group_broken is None:
+                        raise
+                    self.log.error("pipeline_group_broken", error=str(exc))
+                    self.on_group_broken(self.engine, exc)  # raises when healing fails: the loop stops
+                    events = []
+                for ev in events:
                     self._emit(ev)
                 self._stats = self.engine.stats()
         except BaseException as exc:  # surface it: every waiting stream gets an ABORTED event below

@@ -91,12 +91,35 @@ class PooledInstance:
         self.engine.runner.release()
         try:
             result = self.layout.drop_layers(layers)
-        except BaseException:
+        finally:
+            self.engine.sync_kv_capacity()
             self._rebind_runner()
-            raise
-        self.engine.sync_kv_capacity()
-        self._rebind_runner()
         return LayerChange(result)
+
+    # -- layout transitions (cluster drop / restore) -------------------------------------------------------
+    def capacity_for(self, start: int, end: int) -> int:
+        """KV blocks this worker would have holding [start, end) (nothing changes)."""
+        return self.layout._plan(start, end).num_blocks
+
+    def to_range(self, start: int, end: int, source: str = "host") -> list[LayerChange]:
+        """Hold exactly [start, end): drop what lies outside, then restore what is missing (from the host
+        copy, else the checkpoint). The engine must hold no KV (a transition cleared it)."""
+        if self.engine.allocator.num_used:
+            raise InstanceBusy(f"{self.engine.allocator.num_used} KV blocks are in use; a transition clears them first")
+        cur_start, cur_end = self.layer_range
+        if max(start, cur_start) >= min(end, cur_end):
+            raise ValueError(f"range [{start}, {end}) does not overlap the held [{cur_start}, {cur_end})")
+        changes = []
+        out = [x for x in range(cur_start, cur_end) if not start <= x < end]
+        if out:
+            changes.append(self.drop(out))
+        missing = [x for x in range(start, end) if not cur_start <= x < cur_end]
+        if missing:
+            if source == "host" and (self.host_copy is None or not (
+                    self._host_range[0] <= min(missing) and max(missing) < self._host_range[1])):
+                source = "checkpoint"
+            changes.append(self.restore(missing, source))
+        return changes
 
     # -- restore -----------------------------------------------------------------------------------------
     def weight_source(self, layers: list[int], source: str):

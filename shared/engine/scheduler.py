@@ -133,6 +133,19 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by arrival order
         self.running: list[Sequence] = []  # hold KV blocks; sorted by arrival order
         self.num_preemptions = 0
+        # Pipeline groups: sequences with a microbatch in flight (id -> count) are never preempted
+        # (their KV is being written on later stages and their sampled token is still to come).
+        self.pinned: dict[int, int] = {}
+
+    def pin(self, seq: Sequence) -> None:
+        self.pinned[id(seq)] = self.pinned.get(id(seq), 0) + 1
+
+    def unpin(self, seq: Sequence) -> None:
+        n = self.pinned.get(id(seq), 0) - 1
+        if n > 0:
+            self.pinned[id(seq)] = n
+        else:
+            self.pinned.pop(id(seq), None)
 
     # -- membership ---------------------------------------------------------------------------------
     def check_fits(self, request: EngineRequest) -> None:
@@ -199,7 +212,7 @@ class Scheduler:
         for victim in reversed(self.running):
             if victim.order <= newer_than.order:
                 return False
-            if id(victim) not in protected:
+            if id(victim) not in protected and id(victim) not in self.pinned:
                 self.preempt(victim)
                 return True
         return False
@@ -223,7 +236,9 @@ class Scheduler:
             if used >= budget or len(out) >= cfg.max_num_seqs:
                 break
             while not self._reserve(seq, 1):
-                victim = self.running[-1]
+                victim = next((v for v in reversed(self.running) if id(v) not in self.pinned), None)
+                if victim is None:
+                    break  # everything newer is in flight: this decode waits for a result
                 self.preempt(victim)
                 if victim is seq:
                     break

@@ -1,0 +1,415 @@
+"""A worker's side of a layout transition (drop: merge into a pipeline group; restore: split back).
+
+Driven by the memory manager (services/memory_manager/orchestrator.py) in two steps over gRPC:
+
+1. **Prepare**: stop taking requests (Generate answers FAILED_PRECONDITION, the dispatcher waits), let the
+   microbatches in flight finish, pause the engine between iterations, and report the requests this worker
+   owns (if it heads its unit) and the KV blocks it will have in its new layer range. Nothing changed yet:
+   Abort resumes exactly as before.
+2. **Execute** (the spec now carries every request's new unit and block table): copy out the KV blocks
+   that move (per layer, per request; ``shared/transition.kv_flows`` says which go where), send them to
+   their new holders on the KV-exchange class of the transfer service, remap memory to the new layer range
+   (drop: weights' pages become KV; restore: KV pages go back to weights, refilled from the host copy),
+   write the local and the received blocks at their new ids, then install the requests at the new head:
+   streams of requests that moved end with ``moved_to`` and the dispatcher re-attaches at the new head.
+
+If Execute fails after anything changed, the worker heals to a whole instance and keeps the requests it
+owned as recompute preemptions (prompt + generated tokens re-prefilled: the same greedy tokens), so
+nothing is lost; the memory manager then reports the transition as rolled back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from kunserve.shared.convert import sampling_from_pb, sampling_to_pb
+from kunserve.shared.engine.api import EngineRequest
+from kunserve.shared.engine.engine import Engine, GroupBroken, SeqSnapshot
+from kunserve.shared.engine.loop import EngineLoop
+from kunserve.shared.engine.pooled import PooledInstance
+from kunserve.shared.log import get_logger
+from kunserve.shared.transfer.framing import KV_EXCHANGE
+from kunserve.shared.transfer.service import TransferService
+from kunserve.shared.transition import Flow, Member, SeqMove, TransitionError, UnitDef, kv_flows, unit_of
+from kunserve.v1 import worker_pb2
+
+from .group import GroupRole, StageRunner, UcxPipelineLink
+
+
+class TransitionRefused(RuntimeError):
+    """Bad or conflicting transition request; `code` is the gRPC status name to answer with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Moved:
+    """Pushed into a request's stream queue: it now lives on another worker."""
+
+    worker_id: str
+
+
+def units_from_pb(units) -> list[UnitDef]:
+    return [UnitDef(u.unit_id, tuple(Member(m.worker_id, m.layer_start, m.layer_end, m.transfer_address)
+                                     for m in u.members), u.kv_blocks) for u in units]
+
+
+def snapshot_to_pb(s: SeqSnapshot, unit_id: str, now: float) -> worker_pb2.SeqState:
+    r = s.request
+    return worker_pb2.SeqState(
+        request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids), generated_token_ids=s.generated,
+        num_computed=s.num_computed, sampling=sampling_to_pb(r.sampling), generator_state=s.generator_state,
+        num_preemptions=s.num_preemptions, age_s=max(0.0, now - r.arrival_time), old_blocks=s.blocks,
+        old_unit=unit_id)
+
+
+def snapshot_from_pb(m: worker_pb2.SeqState, now: float) -> SeqSnapshot:
+    req = EngineRequest(m.request_id, list(m.prompt_token_ids), sampling_from_pb(m.sampling), now - m.age_s)
+    return SeqSnapshot(req, list(m.generated_token_ids), m.num_computed, list(m.new_blocks),
+                       bytes(m.generator_state), m.num_preemptions)
+
+
+@dataclass
+class _Prepared:
+    spec: worker_pb2.TransitionSpec
+    snapshot: list[SeqSnapshot]
+    executed: bool = False
+
+
+@dataclass
+class TransitionStats:
+    gather_s: float = 0.0
+    exchange_s: float = 0.0
+    remap_s: float = 0.0
+    scatter_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class TransitionRunner:
+    def __init__(self, worker_id: str, engine_loop: EngineLoop, instance: PooledInstance, svc: TransferService,
+                 streams, timeout_s: float = 60.0) -> None:
+        self.worker_id = worker_id
+        self.engine_loop = engine_loop
+        self.instance = instance
+        self.svc = svc
+        self.streams = streams  # StreamRegistry of the worker servicer
+        self.timeout_s = timeout_s
+        self.epoch = 0
+        self.role: GroupRole | None = None  # None: a whole instance of its own
+        self.prepared: _Prepared | None = None
+        self.moved_in: dict[str, asyncio.Queue] = {}  # streams waiting for the dispatcher's attach
+        self.on_event: Callable[[str], Callable] | None = None  # request id -> engine event callback
+        self.log = get_logger()
+        self.stage = StageRunner(svc, engine_loop, instance.cfg.torch_dtype, self._stage_failed)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        engine_loop.on_group_broken = self._heal_on_engine_thread
+        svc.on_peer_lost(self._peer_lost)
+
+    # -- state ------------------------------------------------------------------------------------------
+    @property
+    def transitioning(self) -> bool:
+        return self.prepared is not None
+
+    @property
+    def unit_id(self) -> str:
+        return self.role.unit.unit_id if self.role is not None else self.worker_id
+
+    @property
+    def members(self) -> list[str]:
+        return list(self.role.members) if self.role is not None else [self.worker_id]
+
+    # -- gRPC steps -------------------------------------------------------------------------------------
+    async def prepare(self, spec: worker_pb2.TransitionSpec) -> worker_pb2.TransitionPrepared:
+        self.loop = asyncio.get_running_loop()
+        if self.prepared is not None:
+            if self.prepared.spec.epoch == spec.epoch:
+                raise TransitionRefused("ALREADY_EXISTS", f"transition {spec.epoch} is already prepared")
+            raise TransitionRefused("ABORTED", f"transition {self.prepared.spec.epoch} is in progress")
+        if spec.epoch <= self.epoch:
+            raise TransitionRefused("FAILED_PRECONDITION",
+                                    f"epoch {spec.epoch} is not newer than this worker's epoch {self.epoch}")
+        old_units, new_units = units_from_pb(spec.old_units), units_from_pb(spec.new_units)
+        try:
+            old = unit_of(old_units, self.worker_id).member(self.worker_id)
+            new = unit_of(new_units, self.worker_id).member(self.worker_id)
+        except TransitionError as exc:
+            raise TransitionRefused("INVALID_ARGUMENT", str(exc)) from None
+        assert old is not None and new is not None
+        if old.range != self.instance.layer_range:
+            raise TransitionRefused("FAILED_PRECONDITION", f"worker {self.worker_id} holds "
+                                    f"{list(self.instance.layer_range)}, the spec says {list(old.range)}")
+        if unit_of(old_units, self.worker_id).unit_id != self.unit_id:
+            raise TransitionRefused("FAILED_PRECONDITION", f"worker {self.worker_id} is in unit {self.unit_id}, "
+                                    f"the spec says {unit_of(old_units, self.worker_id).unit_id}")
+        await self._connect_peers(old_units + new_units)
+        self.prepared = _Prepared(spec, [])  # from here on Generate refuses new requests
+        self.engine_loop.pause()
+        try:
+            def quiesce(engine: Engine) -> tuple[list[SeqSnapshot], int]:
+                for ev in engine.drain_inflight():
+                    self.engine_loop.emit(ev)
+                return engine.snapshot(), self.instance.capacity_for(*new.range)
+
+            snap, after = await self._on_engine(quiesce)
+        except BaseException:
+            self.prepared = None
+            self.engine_loop.resume()
+            raise
+        self.prepared.snapshot = snap
+        now = time.monotonic()
+        owned = snap if self.role is None or self.role.is_head else []
+        return worker_pb2.TransitionPrepared(
+            worker_id=self.worker_id, seqs=[snapshot_to_pb(s, self.unit_id, now) for s in owned],
+            kv_blocks_after=after, kv_blocks_now=self.engine_loop.stats().kv_blocks_total)
+
+    async def abort(self, epoch: int) -> worker_pb2.TransitionDone:
+        p = self.prepared
+        if p is not None and p.spec.epoch == epoch and not p.executed:
+            self.prepared = None
+            self.engine_loop.resume()
+            self.log.info("transition_aborted", epoch=epoch)
+        return self._done(epoch, TransitionStats())
+
+    async def execute(self, spec: worker_pb2.TransitionSpec) -> worker_pb2.TransitionDone:
+        p = self.prepared
+        if p is None or p.spec.epoch != spec.epoch:
+            raise TransitionRefused("FAILED_PRECONDITION", f"transition {spec.epoch} was not prepared here")
+        p.executed = True
+        stats = TransitionStats()
+        try:
+            await self._execute(spec, p, stats)
+        except BaseException as exc:
+            self.log.error("transition_failed_healing", epoch=spec.epoch, error=f"{type(exc).__name__}: {exc}")
+            await self._on_engine(lambda engine: self._heal(engine, p.snapshot))
+            self.epoch = spec.epoch
+            raise
+        finally:
+            self.prepared = None
+            self.engine_loop.resume()
+        return self._done(spec.epoch, stats)
+
+    # -- the exchange -------------------------------------------------------------------------------------
+    async def _execute(self, spec: worker_pb2.TransitionSpec, p: _Prepared, stats: TransitionStats) -> None:
+        me = self.worker_id
+        old_units, new_units = units_from_pb(spec.old_units), units_from_pb(spec.new_units)
+        moves = [SeqMove(s.request_id, s.old_unit, s.new_unit, tuple(s.old_blocks), tuple(s.new_blocks))
+                 for s in spec.seqs]
+        flows = kv_flows(old_units, new_units, moves)
+        new_unit = unit_of(new_units, me)
+        new_member = new_unit.member(me)
+        assert new_member is not None
+        outgoing = {k: f for k, f in flows.items() if f.src == me}
+        incoming = {k: f for k, f in flows.items() if f.dst == me and f.src != me}
+
+        # 1. copy out every block that moves or is renumbered, then forget the requests (their state is in
+        #    the spec) so the memory can be remapped
+        t0 = time.perf_counter()
+        slabs: dict[str, torch.Tensor] = await self._on_engine(lambda engine: self._gather(engine, outgoing))
+        stats.gather_s = time.perf_counter() - t0
+
+        # 2. send on the KV-exchange class (activations of other groups still overtake it between chunks)
+        t0 = time.perf_counter()
+        handles = []
+        for (src, dst), flow in outgoing.items():
+            if dst == me:
+                continue
+            data = slabs[dst]
+            handles.append(self.svc.submit(dst, KV_EXCHANGE, data, request_ids=[pt.request_id for pt in flow.parts],
+                                           epoch=spec.epoch, name=f"kv:{spec.epoch}"))
+            stats.bytes_sent += data.numel() * data.element_size()
+
+        # 3. remap to the new layer range (overlaps the sends on the wire)
+        t1 = time.perf_counter()
+        await self._on_engine(lambda engine: self.instance.to_range(*new_member.range))
+        stats.remap_s = time.perf_counter() - t1
+
+        # 4. receive what comes here
+        received: dict[str, torch.Tensor] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(received) < len(incoming):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(f.src for f in incoming.values() if f.src not in received)
+                raise TimeoutError(f"KV exchange: nothing from {', '.join(missing)} within {self.timeout_s} s")
+            msg = await self.svc.recv(KV_EXCHANGE, timeout=left)
+            if msg.header.epoch != spec.epoch or (msg.peer, me) not in incoming:
+                self.log.warning("stale_kv_message_dropped", peer=msg.peer, epoch=msg.header.epoch)
+                continue
+            received[msg.peer] = msg.data
+            stats.bytes_received += msg.data.numel() * msg.data.element_size()
+        for h in handles:
+            await h.wait(self.timeout_s)
+        stats.exchange_s = time.perf_counter() - t0
+
+        # 5. write the blocks at their new ids, 6. take over the requests of the new unit
+        t0 = time.perf_counter()
+        local = outgoing.get((me, me))
+        if local is not None:
+            received[me] = slabs[me]
+            incoming[(me, me)] = local
+        role = GroupRole(spec.epoch, new_unit, new_unit.worker_ids.index(me))
+        now = time.monotonic()
+        mine = [snapshot_from_pb(s, now) for s in spec.seqs if s.new_unit == new_unit.unit_id] if role.is_head else []
+        old_owned = {s.request.request_id for s in p.snapshot}
+
+        def finish(engine: Engine) -> None:
+            for (src, _), flow in incoming.items():
+                self._scatter(engine, flow, received[src])
+            self._install(engine, role, mine)
+
+        await self._on_engine(finish)
+        stats.scatter_s = time.perf_counter() - t0
+        self._switch_streams(old_owned, {s.request.request_id for s in mine}, spec, new_units)
+        self.epoch = spec.epoch
+        self.log.info("transition_done", epoch=spec.epoch, op=spec.op, unit=new_unit.unit_id,
+                      layers=list(new_member.range), requests=len(mine), sent=stats.bytes_sent,
+                      received=stats.bytes_received, remap_ms=round(stats.remap_s * 1e3, 2))
+
+    def _gather(self, engine: Engine, outgoing: dict[tuple[str, str], Flow]) -> dict[str, torch.Tensor]:
+        out = {}
+        for (_, dst), flow in outgoing.items():
+            parts = []
+            for part in flow.parts:
+                ids = torch.tensor(part.old_blocks, dtype=torch.long, device=engine.device)
+                for layer in range(part.layer_start, part.layer_end):
+                    parts.append(engine.kv.layer_cache(layer).index_select(0, ids).cpu())
+            out[dst] = torch.cat(parts).contiguous()
+        engine.clear()
+        return out
+
+    @staticmethod
+    def _scatter(engine: Engine, flow: Flow, data: torch.Tensor) -> None:
+        at = 0
+        for part in flow.parts:
+            n = len(part.new_blocks)
+            ids = torch.tensor(part.new_blocks, dtype=torch.long, device=engine.device)
+            for layer in range(part.layer_start, part.layer_end):
+                cache = engine.kv.layer_cache(layer)
+                slab = data[at:at + n]
+                if tuple(slab.shape[1:]) != tuple(cache.shape[1:]) or slab.shape[0] != n:
+                    raise ValueError(f"KV exchange: got a slab {tuple(slab.shape)} for {n} blocks of "
+                                     f"{tuple(cache.shape[1:])}")
+                cache.index_copy_(0, ids, slab.to(cache.device, cache.dtype))
+                at += n
+        if at != data.shape[0]:
+            raise ValueError(f"KV exchange: {data.shape[0]} blocks received, {at} expected")
+
+    def _install(self, engine: Engine, role: GroupRole, seqs: list[SeqSnapshot]) -> None:
+        """Become what the new unit needs: a whole instance, a group head (link to the later stages, block
+        space capped at the unit's kv_blocks), or a later stage (no requests of its own)."""
+        multi = len(role.unit.members) > 1
+        link = None
+        if role.is_head and multi:
+            assert self.loop is not None
+            link = UcxPipelineLink(self.svc, self.loop, role, self.timeout_s)
+        engine.link = link
+        engine.kv_limit = role.unit.kv_blocks if (multi and role.is_head) else None
+        engine.clear()
+        engine.allocator = type(engine.allocator)(
+            engine.kv.num_blocks if engine.kv_limit is None else min(engine.kv.num_blocks, engine.kv_limit))
+        engine.scheduler.allocator = engine.allocator
+        engine.install(seqs)
+        self.stage.link = link
+        self.stage.role = role if multi else None
+        self.role = role if multi else None
+
+    def _switch_streams(self, old_owned: set[str], now_owned: set[str], spec, new_units: list[UnitDef]) -> None:
+        """Requests that left end their stream with moved_to; requests that arrived get a buffered stream
+        and an engine callback until the dispatcher attaches."""
+        new_unit_of = {s.request_id: s.new_unit for s in spec.seqs}
+        heads = {u.unit_id: u.head for u in new_units}
+        for rid in old_owned - now_owned:
+            self.engine_loop.forget(rid)
+            target = heads.get(new_unit_of.get(rid, ""), "")
+            self.streams._put(rid, Moved(target))
+        for rid in now_owned - old_owned:
+            q = self.streams.open(rid) if rid not in self.streams else None
+            if q is not None:
+                self.moved_in[rid] = q
+                self.engine_loop.register(rid, lambda ev, rid=rid: self.streams.put_threadsafe(rid, ev))
+                asyncio.get_running_loop().call_later(self.timeout_s, self._expire_unattached, rid)
+
+    def _expire_unattached(self, rid: str) -> None:
+        """Nobody attached to a request that moved here (its client is gone): free it."""
+        if self.moved_in.pop(rid, None) is not None:
+            self.log.warning("moved_request_never_attached", request_id=rid)
+            self.engine_loop.abort(rid)
+            self.streams.close(rid)
+
+    # -- failures -----------------------------------------------------------------------------------------
+    def _heal(self, engine: Engine, keep: list[SeqSnapshot] | None = None) -> None:
+        """Back to a whole instance from the host copy (or the checkpoint). Requests whose KV cannot be
+        trusted any more are re-prefilled (recompute preemption): their greedy tokens stay the same."""
+        engine.preempt_all()
+        if keep is not None:  # a failed transition: the requests this worker owned before, as recompute
+            engine.clear()
+            engine.install([SeqSnapshot(s.request, s.generated, 0, [], s.generator_state, s.num_preemptions + 1)
+                            for s in keep])
+        engine.link = None
+        engine.kv_limit = None
+        self.stage.link = None
+        self.stage.role = None
+        self.role = None
+        if self.instance.layer_range != (0, self.instance.cfg.num_layers):
+            self.instance.to_range(0, self.instance.cfg.num_layers)
+        engine.sync_kv_capacity()
+
+    def _heal_on_engine_thread(self, engine: Engine, exc: GroupBroken) -> None:
+        self._heal(engine)
+        self.log.warning("healed_to_whole_instance", reason=str(exc), requests=len(engine.seqs))
+
+    def _peer_lost(self, peer: str, error) -> None:
+        role = self.role
+        if role is None or peer not in role.members:
+            return
+        why = f"group member {peer} lost ({error or 'closed'})"
+        if role.is_head and self.stage.link is not None:
+            self.stage.link.lost(why)  # the engine thread raises GroupBroken and heals
+        else:
+            self._stage_failed(why)
+
+    def _stage_failed(self, why: str) -> None:
+        """A later stage heals itself (it owns no requests); its head notices through the link."""
+        if self.role is None or self.role.is_head:
+            return
+        self.log.warning("stage_leaving_group", reason=why)
+        self.role = None
+        self.stage.role = None
+        self.engine_loop.call(lambda engine: self._heal(engine))
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    async def _connect_peers(self, units: list[UnitDef]) -> None:
+        want = {m.worker_id: m.transfer_address for u in units for m in u.members if m.worker_id != self.worker_id}
+        for wid, addr in sorted(want.items()):
+            if wid in self.svc.peers:
+                continue
+            if not addr:
+                raise TransitionRefused("INVALID_ARGUMENT", f"no transfer address for worker {wid}")
+            host, port = addr.rsplit(":", 1)
+            try:
+                got = await self.svc.connect(host, int(port), timeout=self.timeout_s)
+            except Exception as exc:
+                raise TransitionRefused("UNAVAILABLE", f"cannot reach worker {wid} at {addr}: {exc}") from None
+            if got != wid:
+                raise TransitionRefused("FAILED_PRECONDITION", f"{addr} is worker {got!r}, not {wid!r}")
+
+    async def _on_engine(self, fn: Callable[[Engine], Any]) -> Any:
+        return await asyncio.wait_for(asyncio.wrap_future(self.engine_loop.call(fn)), self.timeout_s)
+
+    def _done(self, epoch: int, stats: TransitionStats) -> worker_pb2.TransitionDone:
+        start, end = self.instance.layer_range
+        owned = len(self.engine_loop.engine.seqs) if self.role is None or self.role.is_head else 0
+        return worker_pb2.TransitionDone(
+            worker_id=self.worker_id, epoch=epoch, layer_start=start, layer_end=end,
+            kv_blocks=self.engine_loop.stats().kv_blocks_total, bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received, gather_seconds=stats.gather_s, exchange_seconds=stats.exchange_s,
+            remap_seconds=stats.remap_s, scatter_seconds=stats.scatter_s, requests_owned=owned)

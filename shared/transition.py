@@ -1,0 +1,202 @@
+"""Layout transitions between routing units (KunServe §4.1–§4.4): pure, no I/O.
+
+A *unit* is what the dispatcher routes to: a whole instance (one member) or a pipeline group (members in
+pipeline order, each holding a contiguous layer range; members[0] is the head, which owns the requests).
+A drop merges whole instances into groups, a restore splits groups back; both are one *transition* from
+old units to new units over the same workers.
+
+Every request keeps its KV: for each layer, its blocks live on the old unit's member holding that layer
+(at the old unit's block ids, which are the same on every member of a group: the head schedules one
+block-id space) and must end on the new unit's member holding that layer, at new block ids. `kv_flows`
+lists, for every (source, destination) pair of workers, which requests' layers move; a pair with
+source == destination is a local renumbering. Both sides compute the same flows from the same spec, so a
+receiver knows exactly which messages to wait for and how to slice them.
+
+`assign_tables` gives every request its block table in its new unit (compact ids from 0, one block per old
+block), refusing a transition whose requests do not fit (nothing has changed then: the caller aborts).
+`assign_restore_targets` spreads a group's requests over the instances it splits into.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+Range = tuple[int, int]
+
+
+class TransitionError(ValueError):
+    """The transition cannot be planned (unknown worker, bad ranges, requests that do not fit)."""
+
+
+@dataclass(frozen=True)
+class Member:
+    worker_id: str
+    layer_start: int
+    layer_end: int
+    transfer_address: str = ""
+
+    @property
+    def range(self) -> Range:
+        return self.layer_start, self.layer_end
+
+
+@dataclass(frozen=True)
+class UnitDef:
+    unit_id: str
+    members: tuple[Member, ...]
+    kv_blocks: int = 0  # new units: the shared block-id space
+
+    @property
+    def head(self) -> str:
+        return self.members[0].worker_id
+
+    @property
+    def worker_ids(self) -> tuple[str, ...]:
+        return tuple(m.worker_id for m in self.members)
+
+    def member(self, worker_id: str) -> Member | None:
+        for m in self.members:
+            if m.worker_id == worker_id:
+                return m
+        return None
+
+    def check(self, num_layers: int) -> None:
+        """Members' ranges must tile [0, num_layers) in pipeline order."""
+        if not self.members:
+            raise TransitionError(f"unit {self.unit_id}: no members")
+        at = 0
+        for m in self.members:
+            if m.layer_start != at or m.layer_end <= m.layer_start:
+                raise TransitionError(f"unit {self.unit_id}: ranges {[m.range for m in self.members]} do not tile "
+                                      f"[0, {num_layers}) in order")
+            at = m.layer_end
+        if at != num_layers:
+            raise TransitionError(f"unit {self.unit_id}: ranges {[m.range for m in self.members]} do not cover "
+                                  f"[0, {num_layers})")
+
+
+@dataclass
+class SeqMove:
+    """One request's part in a transition (its engine state travels separately, as SeqState)."""
+
+    request_id: str
+    old_unit: str
+    new_unit: str
+    old_blocks: tuple[int, ...]
+    new_blocks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class FlowPart:
+    request_id: str
+    layer_start: int
+    layer_end: int
+    old_blocks: tuple[int, ...]
+    new_blocks: tuple[int, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+@dataclass
+class Flow:
+    """Everything one worker sends one other worker (or keeps, when src == dst), in a fixed order."""
+
+    src: str
+    dst: str
+    parts: list[FlowPart] = field(default_factory=list)
+
+    def num_block_layers(self) -> int:
+        """How many (layer, block) KV slabs travel: the message is that many blocks long."""
+        return sum(p.num_layers * len(p.old_blocks) for p in self.parts)
+
+
+def check_units(old: Sequence[UnitDef], new: Sequence[UnitDef], num_layers: int) -> None:
+    """Same workers on both sides, each in exactly one unit; every unit tiles the model."""
+    def workers(units: Sequence[UnitDef]) -> list[str]:
+        return [w for u in units for w in u.worker_ids]
+
+    for units in (old, new):
+        ws = workers(units)
+        if len(set(ws)) != len(ws):
+            raise TransitionError(f"a worker appears twice in units {[u.worker_ids for u in units]}")
+        for u in units:
+            u.check(num_layers)
+    if sorted(workers(old)) != sorted(workers(new)):
+        raise TransitionError(f"old units hold {sorted(workers(old))}, new units {sorted(workers(new))}: "
+                              "a transition keeps the same workers")
+    for w in workers(new):
+        o = _find(old, w).member(w)
+        n = _find(new, w).member(w)
+        assert o is not None and n is not None
+        if max(o.layer_start, n.layer_start) >= min(o.layer_end, n.layer_end):
+            raise TransitionError(f"worker {w}: new range {n.range} does not overlap its old range {o.range} "
+                                  "(it would have to reload every layer)")
+
+
+def _find(units: Iterable[UnitDef], worker_id: str) -> UnitDef:
+    for u in units:
+        if worker_id in u.worker_ids:
+            return u
+    raise TransitionError(f"worker {worker_id!r} is in no unit")
+
+
+def unit_of(units: Iterable[UnitDef], worker_id: str) -> UnitDef:
+    return _find(units, worker_id)
+
+
+def assign_tables(moves: Sequence[SeqMove], new_units: Sequence[UnitDef]) -> list[SeqMove]:
+    """Compact new block tables per new unit, in the order given (FCFS order is the caller's). Raises
+    TransitionError when a unit's requests need more blocks than its kv_blocks."""
+    by_id = {u.unit_id: u for u in new_units}
+    used: dict[str, int] = {u.unit_id: 0 for u in new_units}
+    out = []
+    for m in moves:
+        if m.new_unit not in by_id:
+            raise TransitionError(f"request {m.request_id}: unknown new unit {m.new_unit!r}")
+        start = used[m.new_unit]
+        n = len(m.old_blocks)
+        used[m.new_unit] = start + n
+        out.append(SeqMove(m.request_id, m.old_unit, m.new_unit, m.old_blocks, tuple(range(start, start + n))))
+    for uid, n in used.items():
+        if n > by_id[uid].kv_blocks:
+            raise TransitionError(f"unit {uid}: its requests hold {n} KV blocks but it has {by_id[uid].kv_blocks}")
+    return out
+
+
+def assign_restore_targets(moves: Sequence[SeqMove], capacity: dict[str, int]) -> list[SeqMove]:
+    """Send each request (largest first) to the new unit with the most free blocks; ties by id. Raises
+    TransitionError when one does not fit anywhere."""
+    free = dict(capacity)
+    target: dict[str, str] = {}
+    for m in sorted(moves, key=lambda m: (-len(m.old_blocks), m.request_id)):
+        best = max(sorted(free), key=lambda u: free[u]) if free else None
+        if best is None or free[best] < len(m.old_blocks):
+            raise TransitionError(f"request {m.request_id} ({len(m.old_blocks)} KV blocks) fits in no instance "
+                                  f"after the restore (free: {free})")
+        free[best] -= len(m.old_blocks)
+        target[m.request_id] = best
+    return [SeqMove(m.request_id, m.old_unit, target[m.request_id], m.old_blocks) for m in moves]
+
+
+def kv_flows(old: Sequence[UnitDef], new: Sequence[UnitDef], moves: Sequence[SeqMove]) -> dict[tuple[str, str], Flow]:
+    """(src, dst) -> Flow for every pair that moves at least one block, parts ordered by request then layer."""
+    old_by = {u.unit_id: u for u in old}
+    new_by = {u.unit_id: u for u in new}
+    flows: dict[tuple[str, str], Flow] = {}
+    for m in sorted(moves, key=lambda m: m.request_id):
+        if not m.old_blocks:
+            continue
+        if len(m.new_blocks) != len(m.old_blocks):
+            raise TransitionError(f"request {m.request_id}: {len(m.old_blocks)} old blocks, {len(m.new_blocks)} new")
+        ou, nu = old_by[m.old_unit], new_by[m.new_unit]
+        for s in ou.members:
+            for d in nu.members:
+                lo, hi = max(s.layer_start, d.layer_start), min(s.layer_end, d.layer_end)
+                if lo >= hi:
+                    continue
+                f = flows.setdefault((s.worker_id, d.worker_id), Flow(s.worker_id, d.worker_id))
+                f.parts.append(FlowPart(m.request_id, lo, hi, m.old_blocks, m.new_blocks))
+    return flows
