@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from kunserve.v1 import common_pb2, monitor_pb2
 
 
+def _non_head_member(s: common_pb2.WorkerStats) -> bool:
+    return len(s.group_members) > 1 and s.group_members[0] != s.worker_id
+
+
 @dataclass
 class _WorkerTrack:
     stats: common_pb2.WorkerStats
@@ -70,7 +74,9 @@ class ClusterLoad:
                 prompt_tokens_per_s=t.prompt_rate if healthy else 0.0,
                 generated_tokens_per_s=t.generated_rate if healthy else 0.0,
             ))
-            if healthy:
+            # A pipeline group's members share one block-id space: every request's KV spans all of them and
+            # the head reports the group's numbers, so only the head adds to the cluster's KV totals.
+            if healthy and not _non_head_member(s):
                 out.kv_blocks_total += s.kv_blocks_total
                 out.kv_blocks_used += s.kv_blocks_used
                 out.queued_demand_blocks += s.queued_demand_blocks

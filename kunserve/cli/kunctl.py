@@ -1,18 +1,23 @@
-"""`kunctl`: the admin CLI. Talks to the admin port (served by the memory manager)."""
+"""`kunctl`: the admin CLI. Talks to the admin port (served by the memory manager: the Admin and
+MemoryManager services share it)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import math
+import re
 import sys
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
 from kunserve.shared.config import ConfigError, load_config
 from kunserve.shared.rpc import insecure_channel
-from kunserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2
+from kunserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, memory_manager_pb2, memory_manager_pb2_grpc
 
 
 def _address(args: argparse.Namespace) -> str:
@@ -24,21 +29,91 @@ def _address(args: argparse.Namespace) -> str:
         raise SystemExit(f"kunctl: config error: {exc}") from None
 
 
-async def _call(address: str, fn):
+async def _call(address: str, fn, stub_cls=admin_pb2_grpc.AdminStub):
     async with insecure_channel(address) as ch:
-        return await fn(admin_pb2_grpc.AdminStub(ch))
+        return await fn(stub_cls(ch))
 
 
-def _rpc(address: str, fn):
+def _rpc(address: str, fn, stub_cls=admin_pb2_grpc.AdminStub):
+    """Run one call; a gRPC error becomes a one-line message (status code name, details) and exit code 1."""
     try:
-        return asyncio.run(_call(address, fn))
+        return asyncio.run(_call(address, fn, stub_cls))
     except grpc.aio.AioRpcError as exc:
         print(f"kunctl: {exc.code().name}: {exc.details()} (admin address {address})", file=sys.stderr)
         raise SystemExit(1) from None
 
 
+@dataclass
+class GroupView:
+    """One unit of the layout as `kunctl status` shows it."""
+    group_id: str
+    members: list[tuple[str, int, int]]   # (worker, layer start, layer end), pipeline order: [0] is the head
+    serving: bool                         # the head is routable
+    kv_blocks_total: int | None           # the unit's KV capacity: the head's block space (None: no stats)
+    kv_blocks_undropped: int | None       # sum of the members' capacity as whole instances (None: unknown)
+    transitioning: bool
+
+
+def status_groups(status) -> list[GroupView]:
+    """The units of an AdminStatus: layout groups, members ordered as the workers report (group_members),
+    else by layer range. A pipeline group's KV capacity is its head's kv_blocks_total: every request's KV
+    spans all members under one block-id space."""
+    stats = {ws.stats.worker_id: ws.stats for ws in status.cluster.workers}
+    layout = {w.worker_id: w for w in status.layout.workers}
+    groups: dict[str, list[str]] = {}
+    for wid in sorted(set(layout) | set(stats)):
+        lay = layout.get(wid)
+        gid = (lay.group_id if lay is not None else "") or (stats[wid].group_id if wid in stats else "") or wid
+        groups.setdefault(gid, []).append(wid)
+    out = []
+    for gid in sorted(groups):
+        wids = groups[gid]
+        order = next((list(stats[w].group_members) for w in wids if w in stats and stats[w].group_members), [])
+        if sorted(order) != sorted(wids):
+            order = sorted(wids, key=lambda w: (_range(w, layout, stats)[0], w))
+        head = order[0]
+        members = [(w, *_range(w, layout, stats)) for w in order]
+        if head in layout:
+            serving = layout[head].serving
+        else:
+            serving = head in stats and stats[head].serving
+        und = [stats[w].kv_blocks_undropped if w in stats else 0 for w in order]
+        out.append(GroupView(gid, members, serving,
+                             stats[head].kv_blocks_total if head in stats else None,
+                             sum(und) if all(x > 0 for x in und) else None,
+                             any(stats[w].transitioning for w in order if w in stats)))
+    return out
+
+
+def _range(wid: str, layout, stats) -> tuple[int, int]:
+    if wid in layout:
+        return layout[wid].layer_start, layout[wid].layer_end
+    if wid in stats:
+        return stats[wid].layer_start, stats[wid].layer_end
+    return 0, 0
+
+
+def _members(members) -> str:
+    """Pipeline order: "worker-0 [0, 2) -> worker-1 [2, 4)"."""
+    return " -> ".join(f"{w} [{a}, {b})" for w, a, b in members)
+
+
+def format_groups(status) -> list[str]:
+    lines = []
+    for g in status_groups(status):
+        kind = f"pipeline group of {len(g.members)}" if len(g.members) > 1 else "instance"
+        cap = "?" if g.kv_blocks_total is None else f"{g.kv_blocks_total}"
+        und = f", undropped {g.kv_blocks_undropped}" if g.kv_blocks_undropped is not None and len(g.members) > 1 else ""
+        state = "serving" if g.serving else "not serving"
+        if g.transitioning:
+            state += ", transitioning"
+        lines.append(f"{g.group_id} ({kind}, {state}): {_members(g.members)}; KV capacity {cap} blocks{und}")
+    return lines
+
+
 def render_status(status) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     # Piped output (scripts, logs) gets a wide table instead of rich's 80-column default.
@@ -47,15 +122,18 @@ def render_status(status) -> None:
     cl = status.cluster
     t = Table(title=f"KunServe cluster - layout epoch {status.layout.epoch}, "
                     f"{status.layout.num_layers_model} model layers")
-    for col in ("worker", "address", "layers", "group", "healthy", "KV used/total", "KV %", "running", "waiting",
-                "queued demand", "prompt tok/s", "gen tok/s", "preempted", "bubble %"):
-        t.add_column(col, justify="right" if col not in ("worker", "address", "group") else "left")
+    for col in ("worker", "address", "layers", "group", "serving", "healthy", "KV used/total", "KV %", "running",
+                "waiting", "queued demand", "prompt tok/s", "gen tok/s", "preempted", "bubble %"):
+        t.add_column(col, justify="right" if col not in ("worker", "address", "group", "serving") else "left")
     seen = set()
     for ws in cl.workers:
         s = ws.stats
         seen.add(s.worker_id)
         lay = layout.get(s.worker_id)
-        t.add_row(s.worker_id, s.address, f"{s.layer_start}-{s.layer_end}", lay.group_id if lay else "?",
+        serving = lay.serving if lay is not None else s.serving
+        t.add_row(s.worker_id, s.address, f"{s.layer_start}-{s.layer_end}",
+                  (lay.group_id if lay else s.group_id) or "?",
+                  ("yes" if serving else "no") + (" (transitioning)" if s.transitioning else ""),
                   "[green]yes[/]" if ws.healthy else f"[red]no[/] ({ws.last_report_age_s:.0f}s)",
                   f"{s.kv_blocks_used}/{s.kv_blocks_total}", f"{100 * ws.kv_usage:.1f}", str(s.num_running),
                   str(s.num_waiting), str(s.queued_demand_blocks), f"{ws.prompt_tokens_per_s:.1f}",
@@ -65,13 +143,18 @@ def render_status(status) -> None:
     for wid, lay in sorted(layout.items()):
         if wid not in seen:
             t.add_row(wid, lay.address, f"{lay.layer_start}-{lay.layer_end}", lay.group_id,
-                      "[red]no stats[/]", "-", "-", "-", "-", "-", "-", "-", "-", "-")
+                      "yes" if lay.serving else "no", "[red]no stats[/]", "-", "-", "-", "-", "-", "-", "-", "-", "-")
     console.print(t)
+    lines = format_groups(status)
+    if lines:
+        console.print(f"groups (layout epoch {status.layout.epoch}):")
+        for line in lines:
+            console.print("  " + escape(line))
     usage = (cl.kv_blocks_used / cl.kv_blocks_total * 100) if cl.kv_blocks_total else 0.0
     console.print(f"cluster KV: {cl.kv_blocks_used}/{cl.kv_blocks_total} blocks ({usage:.1f}%), queued demand "
                   f"{cl.queued_demand_blocks} blocks, overloaded: {'[red]yes[/]' if cl.overloaded else 'no'}")
     if status.monitor_error:
-        console.print(f"[yellow]warning[/]: {status.monitor_error}")
+        console.print(f"[yellow]warning[/]: {escape(status.monitor_error)}")
 
 
 def cmd_status(args: argparse.Namespace) -> None:
@@ -164,6 +247,160 @@ def cmd_restore_layers(args: argparse.Namespace) -> None:
     _print(c, args.json, render_change)
 
 
+# --- cluster drop / restore (MemoryManager.PlanDrop / Drop / Restore) ------------------------------------------
+
+REQUIRE_FORMS = ("a number of KV blocks (e.g. 1200 or 1200blocks) or bytes with a unit suffix "
+                 "(e.g. 512MiB, 1.5GiB, 64KiB; units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+_BYTE_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_REQUIRE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A drop requirement: KV blocks or bytes (exactly one is > 0)."""
+    blocks: int = 0
+    bytes: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.blocks} KV blocks" if self.blocks else _human_bytes(self.bytes)
+
+
+def parse_requirement(text: str) -> Requirement:
+    """"1200" / "1200blocks" -> 1200 KV blocks; "512MiB", "1.5GiB", "64KiB", "2GB", "4096B" -> bytes
+    (fractions of a byte round up)."""
+    m = _REQUIRE_RE.match(text or "")
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected {REQUIRE_FORMS}, got {text!r}")
+    num, unit = m.group(1), m.group(2).lower()
+    try:
+        value = Decimal(num)
+    except InvalidOperation:  # pragma: no cover - the regex admits only decimals
+        raise argparse.ArgumentTypeError(f"expected {REQUIRE_FORMS}, got {text!r}") from None
+    if unit in ("", "block", "blocks"):
+        if value != value.to_integral_value():
+            raise argparse.ArgumentTypeError(f"KV blocks must be a whole number, got {text!r}; "
+                                             f"expected {REQUIRE_FORMS}")
+        req = Requirement(blocks=int(value))
+    elif unit in _BYTE_UNITS:
+        req = Requirement(bytes=int(math.ceil(value * _BYTE_UNITS[unit])))
+    else:
+        raise argparse.ArgumentTypeError(f"unknown unit {m.group(2)!r} in {text!r}; expected {REQUIRE_FORMS}")
+    if req.blocks <= 0 and req.bytes <= 0:
+        raise argparse.ArgumentTypeError(f"the requirement must be > 0, got {text!r}")
+    return req
+
+
+def parse_group(text: str) -> list[str]:
+    """"worker-0,worker-1" -> ["worker-0", "worker-1"]: one pipeline group, head first."""
+    ids = [w.strip() for w in (text or "").split(",")]
+    if not ids or any(not w for w in ids):
+        raise argparse.ArgumentTypeError(f"expected worker ids separated by commas (head first), e.g. "
+                                         f"worker-0,worker-1; got {text!r}")
+    if len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"a worker is listed twice in group {text!r}")
+    return ids
+
+
+def drop_request(require: Requirement | None, groups: list[list[str]] | None, reason: str = "manual"):
+    """The DropRequest for `kunctl plan` / `kunctl drop`; a worker in two groups is a usage error."""
+    seen: dict[str, int] = {}
+    for i, g in enumerate(groups or []):
+        for w in g:
+            if w in seen:
+                raise ValueError(f"worker {w} is in two --group lists")
+            seen[w] = i
+    return memory_manager_pb2.DropRequest(
+        required_blocks=require.blocks if require else 0, required_bytes=require.bytes if require else 0,
+        groups=[memory_manager_pb2.GroupMembers(worker_ids=g) for g in groups or []], reason=reason)
+
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms"
+
+
+def _planned_groups(groups) -> list[str]:
+    out = []
+    for g in groups:
+        members = [(m.worker_id, m.layer_start, m.layer_end) for m in g.members]
+        kind = f"group of {len(members)}" if len(members) > 1 else "instance"
+        out.append(f"  {g.group_id} ({kind}{', changed' if g.changed else ''}): {_members(members)}")
+    return out
+
+
+def format_plan(plan) -> str:
+    """A DropPlanReply as text (nothing changes: PlanDrop is a dry run)."""
+    lines = [f"drop plan on layout epoch {plan.epoch} (dry run)"]
+    req = _human_bytes(plan.required_bytes) if plan.required_bytes else "none (merge as far as the planner goes)"
+    lines.append(f"requirement: {req}; frees {_human_bytes(plan.freed_bytes)} ({plan.freed_blocks} KV blocks)")
+    if plan.met:
+        lines.append("requirement met")
+    else:
+        lines.append(f"requirement NOT met; fallback: {plan.fallback or 'kv_centric'}")
+    lines.append(f"autoscale needed: {'yes' if plan.autoscale_needed else 'no'}")
+    if plan.groups:
+        lines.append("groups:")
+        lines.extend(_planned_groups(plan.groups))
+    return "\n".join(lines)
+
+
+def format_report(rep) -> str:
+    """A TransitionReport (drop or restore) as text."""
+    op = rep.op or "transition"
+    if rep.completed:
+        lines = [f"{op} completed: layout epoch {rep.epoch}"]
+    else:
+        how = "rolled back" if rep.rolled_back else "not completed"
+        lines = [f"{op} FAILED ({how}): layout epoch {rep.epoch}" + (f": {rep.error}" if rep.error else "")]
+    if rep.autoscale_needed:
+        lines.append("autoscale needed: no drop plan meets the requirement (more instances needed)")
+    if rep.groups:
+        lines.append("groups after:")
+        lines.extend(_planned_groups(rep.groups))
+    lines.append(f"moved {rep.requests_moved} request{'s' if rep.requests_moved != 1 else ''}, "
+                 f"{_human_bytes(rep.kv_bytes_moved)} of KV")
+    lines.append(f"timings: plan {_ms(rep.plan_seconds)}, prepare {_ms(rep.prepare_seconds)}, "
+                 f"exchange {_ms(rep.exchange_seconds)} (remap {_ms(rep.remap_seconds)}), "
+                 f"total {_ms(rep.total_seconds)}")
+    return "\n".join(lines)
+
+
+def _mm_rpc(args: argparse.Namespace, fn):
+    return _rpc(_address(args), fn, memory_manager_pb2_grpc.MemoryManagerStub)
+
+
+def _finish_transition(rep, args: argparse.Namespace) -> None:
+    _print(rep, args.json, lambda r: print(format_report(r)))
+    if not rep.completed:
+        print(f"kunctl: {rep.op or 'transition'} not completed: {rep.error or 'no error given'}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    req = drop_request(args.require, None)
+    plan = _mm_rpc(args, lambda stub: stub.PlanDrop(req, timeout=max(args.timeout, 30)))
+    _print(plan, args.json, lambda p: print(format_plan(p)))
+
+
+def cmd_drop(args: argparse.Namespace) -> None:
+    req = drop_request(args.require, args.group)
+    rep = _mm_rpc(args, lambda stub: stub.Drop(req, timeout=max(args.timeout, 300)))
+    _finish_transition(rep, args)
+
+
+def cmd_restore(args: argparse.Namespace) -> None:
+    rep = _mm_rpc(args, lambda stub: stub.Restore(memory_manager_pb2.RestoreRequest(group_id=args.group or ""),
+                                                  timeout=max(args.timeout, 300)))
+    _finish_transition(rep, args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kunctl", description="KunServe admin CLI.")
     p.add_argument("--config", help="cluster config file (TOML); default $KUNSERVE_CONFIG or built-in defaults")
@@ -188,11 +425,49 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--source", choices=["host", "checkpoint"], help="where weights come from (default: host copy)")
     rl.add_argument("--json", action="store_true")
     rl.set_defaults(func=cmd_restore_layers)
+
+    require_help = f"the memory to free: {REQUIRE_FORMS}"
+    pl = sub.add_parser(
+        "plan", help="dry-run the drop planner (KunServe Fig. 6) for a requirement: groups, freed memory",
+        description="Ask the memory manager for a drop plan (nothing changes): the pipeline groups it would form "
+                    "(members in pipeline order, with the layer ranges they would hold), the memory it frees, whether "
+                    "the requirement is met, and whether more instances are needed (autoscale).",
+        epilog="examples: kunctl plan --require 512MiB; kunctl plan --require 1200 --json")
+    pl.add_argument("--require", type=parse_requirement, metavar="N",
+                    help=require_help + "; omitted: merge as far as the planner goes")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
+    dr = sub.add_parser(
+        "drop", help="force a cluster drop: merge instances into pipeline groups (planner or explicit --group)",
+        description="Drive a drop through the workers: plan for --require (or take the explicit --group lists), "
+                    "move the affected requests' KV, remap the freed weight pages into KV cache. Prints the "
+                    "transition report (layout epoch, groups after, requests and KV bytes moved, timings); exits "
+                    "1 when the drop did not complete (it is rolled back).",
+        epilog="examples: kunctl drop --require 1.5GiB; kunctl drop --group worker-0,worker-1 --group worker-2,worker-3")
+    dr.add_argument("--require", type=parse_requirement, metavar="N", help=require_help)
+    dr.add_argument("--group", type=parse_group, action="append", metavar="W0,W1",
+                    help="one pipeline group, worker ids head first (repeatable); replaces the planner")
+    dr.add_argument("--json", action="store_true", help="print the transition report as JSON")
+    dr.set_defaults(func=cmd_drop)
+    rs = sub.add_parser(
+        "restore", help="split dropped pipeline groups back into whole instances (all, or --group G)",
+        description="Restore the dropped layers of every pipeline group (or one) so each member is a whole "
+                    "instance again. Prints the transition report; exits 1 when it did not complete.",
+        epilog="examples: kunctl restore; kunctl restore --group worker-0")
+    rs.add_argument("--group", metavar="G", help="the group id to restore (see kunctl status); default: every group")
+    rs.add_argument("--json", action="store_true", help="print the transition report as JSON")
+    rs.set_defaults(func=cmd_restore)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "group", None) and args.command == "drop":
+        try:
+            drop_request(None, args.group)
+        except ValueError as exc:
+            parser.error(f"argument --group: {exc}")
     args.func(args)
 
 

@@ -135,3 +135,12 @@ def test_cluster_load_reported_since():
     load.observe(whole("a", epoch=2), now=6.0)
     assert load.reported_since(2.5, now=6.5)                 # b is stale now: it no longer holds things up
     assert [s.worker_id for s in load.fresh_stats(now=6.5)] == ["a"]
+
+
+def test_cluster_totals_count_a_pipeline_group_once():
+    load = ClusterLoad(stale_after_s=3.0)
+    for s in group("g", ["a", "b"], used=700, total=2400, queued=30) + [whole("w", used=10, total=1000)]:
+        load.observe(s, now=0.0)
+    st = load.status(now=0.5, wall_now=0.0)
+    assert (st.kv_blocks_total, st.kv_blocks_used, st.queued_demand_blocks) == (3400, 710, 30)
+    assert len(st.workers) == 3                              # every worker is still listed
