@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
 
     async def amain() -> None:
         pool = WorkerPool(cfg)
-        servicer = DispatcherServicer(pool, tokenizer)
+        servicer = DispatcherServicer(pool, tokenizer, route_timeout_s=cfg.dispatcher.route_timeout_s)
         tasks: list[asyncio.Task] = []
 
         def register(server) -> None:
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
             tasks.append(asyncio.create_task(pool.poll_forever(ROUTER_POLL_INTERVAL_S)))
 
         async def stopping() -> None:
-            await servicer.shutdown()
+            await servicer.shutdown()  # refuses new requests from here on, ends the in-flight ones
             for t in tasks:
                 t.cancel()
 

@@ -1,6 +1,14 @@
-"""Dispatcher: the client API. Routes each request to the most-free healthy instance, relays its token
-stream (adding text and timing), propagates cancellation, and owns the request record so that a
-worker failure is reported to the client instead of silently losing the request.
+"""Dispatcher: the client API. Routes each request to the most-free routable instance, relays its token
+stream (adding text and timing), propagates cancellation, and owns the request record so that the
+request survives what happens to the worker serving it:
+
+* a worker that is alive but not routable (dropped layers, forming a pipeline group) refuses with
+  FAILED_PRECONDITION or reports ``serving = false``: the request waits, re-polling, up to
+  ``dispatcher.route_timeout_s`` for a routable worker;
+* a layout transition moves the request to another worker (the stream's last event carries
+  ``moved_to``): the dispatcher attaches there and keeps relaying;
+* a worker fails mid-stream: the request is resumed on a healthy instance by re-prefilling the prompt
+  plus the tokens already emitted (KunServe §4.4); the client stream continues without an error.
 """
 
 from __future__ import annotations
@@ -15,11 +23,20 @@ import grpc
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.convert import sampling_from_pb
 from kunserve.shared.log import get_logger
-from kunserve.shared.router import FreenessRouter, InstanceLoad
+from kunserve.shared.router import FreenessRouter, InstanceLoad, serving_from_stats
 from kunserve.shared.rpc import insecure_channel
 from kunserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 MAX_REQUEST_ID_LEN = 256
+MAX_RESUMES = 3  # worker failures after the first token before the client gets UNAVAILABLE
+MAX_MOVES = 32  # layout moves of one request (each is an attach): a bound against ping-pong
+ROUTE_RETRY_S = 0.05  # pause between polls while waiting for a routable worker
+POLL_TIMEOUT_S = 1.0
+CANCEL_RPC_TIMEOUT_S = 5.0
+SHUTTING_DOWN = "the dispatcher is shutting down"
+
+# A worker stream that broke with one of these (or ended without a finish event) lost its worker.
+_WORKER_FAILURE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 @dataclass
@@ -27,10 +44,32 @@ class RequestRecord:
     request_id: str
     prompt_token_ids: list[int]
     arrival: float
+    sampling: common_pb2.SamplingParams = field(default_factory=common_pb2.SamplingParams)
+    max_tokens: int = 0
     worker_id: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # emitted to the client so far
     call: grpc.aio.UnaryStreamCall | None = None
     shutting_down: bool = False
+    cancelled: bool = False  # Cancel was called: the stream ends with ABORTED, nothing is retried
+    finished: bool = False  # the final event was relayed
+    index_offset: int = 0  # tokens emitted before the current worker-side incarnation (resume)
+    resumes: int = 0
+    last_event: float = 0.0
+    route_deadline: float | None = None  # set while waiting for a routable worker; cleared by a token
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # cuts waits short (cancel, shutdown)
+
+
+@dataclass
+class _Segment:
+    """One worker stream of a request: its outcome decides what happens next."""
+
+    worker_id: str
+    attach: bool
+    received: int = 0  # events received from the worker
+    finished: bool = False
+    moved_to: str = ""
+    error: grpc.aio.AioRpcError | None = None
+    local_cancel: bool = False  # our own call.cancel() (Cancel or shutdown) ended it
 
 
 class WorkerPool:
@@ -43,8 +82,9 @@ class WorkerPool:
         self.router = FreenessRouter()
         self.log = get_logger()
         self._healthy: dict[str, bool] = {}
+        self._poll: asyncio.Future | None = None
 
-    async def poll_once(self, timeout: float = 1.0) -> None:
+    async def poll_once(self, timeout: float = POLL_TIMEOUT_S) -> None:
         async def one(wid: str) -> None:
             sent = time.monotonic()
             try:
@@ -54,12 +94,21 @@ class WorkerPool:
                 if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     self.mark(wid, False)
                 return
-            whole = s.layer_start == 0 and s.layer_end == s.num_layers_model
+            serving = serving_from_stats(s.serving, s.group_id, s.transitioning, s.layer_start, s.layer_end,
+                                         s.num_layers_model)
             self.router.update(InstanceLoad(wid, s.kv_blocks_total, s.kv_blocks_used, s.queued_demand_blocks,
-                                            s.block_size or 16, True, sent, serving=whole))
+                                            s.block_size or 16, True, sent, serving=serving))
             self.mark(wid, True)
 
         await asyncio.gather(*(one(w) for w in self.stubs))
+
+    async def refresh(self, timeout: float = POLL_TIMEOUT_S) -> None:
+        """One poll of every worker, shared: callers arriving while a poll is in flight await that one
+        instead of starting their own. A caller that is cancelled does not cancel the shared poll."""
+        poll = self._poll
+        if poll is None or poll.done():
+            poll = self._poll = asyncio.ensure_future(self.poll_once(timeout))
+        await asyncio.shield(poll)
 
     async def wait_for_workers(self, timeout_s: float) -> int:
         """Poll until every configured worker answers (or the deadline); returns how many are healthy.
@@ -68,7 +117,7 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            await self.poll_once(timeout=1.0)
+            await self.refresh()
             healthy = sum(self._healthy.get(w, False) for w in self.stubs)
             if healthy == len(self.stubs) or loop.time() >= deadline:
                 return healthy
@@ -82,19 +131,25 @@ class WorkerPool:
 
     async def poll_forever(self, interval_s: float) -> None:
         while True:
-            await self.poll_once()
+            await self.refresh()
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:
+        if self._poll is not None and not self._poll.done():
+            self._poll.cancel()
         for ch in self.channels.values():
             await ch.close()
 
 
 class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, pool: WorkerPool, tokenizer) -> None:
+    def __init__(self, pool: WorkerPool, tokenizer, route_timeout_s: float = 30.0,
+                 max_resumes: int = MAX_RESUMES) -> None:
         self.pool = pool
         self.tokenizer = tokenizer  # None when the model ships no tokenizer: token-id prompts only
+        self.route_timeout_s = route_timeout_s
+        self.max_resumes = max_resumes
         self.records: dict[str, RequestRecord] = {}
+        self.stopping = False  # shutdown() began: no new requests
         self.log = get_logger()
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -115,9 +170,27 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             return ""
         return self.tokenizer.decode_token(previous, token_id)
 
+    def _final_event(self, record: RequestRecord, finish_reason: int) -> generation_pb2.GenerateEvent:
+        """A tokenless last event the dispatcher makes itself (cancelled while not on a worker)."""
+        now = time.monotonic()
+        record.finished = True
+        return generation_pb2.GenerateEvent(
+            request_id=record.request_id, token_id=-1, index=len(record.token_ids), finish_reason=finish_reason,
+            elapsed_s=now - record.arrival, token_latency_s=now - record.last_event, worker_id=record.worker_id,
+            num_prompt_tokens=len(record.prompt_token_ids))
+
+    @staticmethod
+    async def _pause(record: RequestRecord, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(record.wake.wait(), seconds)
+        except (asyncio.TimeoutError, TimeoutError):
+            pass
+
     # -- RPCs ---------------------------------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.monotonic()
+        if self.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         rid = request.request_id or uuid.uuid4().hex
         if len(rid) > MAX_REQUEST_ID_LEN:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: longer than {MAX_REQUEST_ID_LEN} characters")
@@ -129,100 +202,269 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         sampling = sampling_from_pb(request.sampling)
         if sampling.max_tokens <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.max_tokens: must be > 0, got {sampling.max_tokens}")
-        record = RequestRecord(rid, prompt, arrival)
+        record = RequestRecord(rid, prompt, arrival, sampling=request.sampling, max_tokens=sampling.max_tokens,
+                               last_event=arrival)
         self.records[rid] = record
-        tried: set[str] = set()
         try:
-            while True:
-                wid = self.pool.router.choose(exclude=tried)
-                if wid is None:
-                    await self.pool.poll_once(timeout=2.0)  # maybe a worker is just coming (back) up
-                    wid = self.pool.router.choose(exclude=tried)
-                if wid is None:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        "no healthy worker available" + (f" (tried {', '.join(sorted(tried))})" if tried else ""))
-                tried.add(wid)
-                record.worker_id = wid
-                self.pool.router.routed(wid, rid, len(prompt) + 1, arrival)
-                try:
-                    async for ev in self._relay(record, request, sampling, context):
-                        yield ev
-                    return
-                except grpc.aio.AioRpcError as exc:
-                    retriable = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
-                    if retriable and not record.token_ids and not record.shutting_down:
-                        # The worker died, or dropped layers, before producing anything: nothing was
-                        # streamed, so retry elsewhere.
-                        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                            self.pool.mark(wid, False)
-                        self.log.warning("worker_unavailable_retrying", request_id=rid, worker=wid)
-                        continue
-                    await self._fail(record, exc, context)
-                finally:
-                    self.pool.router.done(wid, rid)
+            async for ev in self._serve(record, context):
+                yield ev
         finally:
             if record.call is not None:
                 record.call.cancel()  # client went away or we failed: free the worker's KV now
             self.records.pop(rid, None)
 
-    async def _relay(self, record: RequestRecord, request, sampling, context):
-        wreq = worker_pb2.WorkerGenerateRequest(request_id=record.request_id, prompt_token_ids=record.prompt_token_ids,
-                                                sampling=request.sampling)
-        call = self.pool.stubs[record.worker_id].Generate(wreq)
+    async def _serve(self, record: RequestRecord, context):
+        """Drive one request over as many worker streams as it takes (retries, moves, resumes).
+
+        Resume after a worker failure (KunServe §4.4): a new worker request with the same request_id,
+        prompt = original prompt + the tokens already emitted, max_tokens = original - emitted; the
+        events it produces are re-indexed by the emitted count, so the client sees one stream. With
+        greedy sampling (temperature 0) the client gets exactly the tokens it would have got without
+        the failure (up to the usual near-tie caveat of recomputed logits). Stop token ids and EOS work
+        the same (they only look at generated tokens, and a stop token already emitted would have
+        finished the request). A seeded non-greedy request continues, but not bit-identically: the
+        resumed worker seeds a fresh generator for the remaining tokens, so the continuation differs
+        from what the failed worker would have sampled.
+        """
+        rid = record.request_id
+        dead: set[str] = set()  # workers that failed this request: never tried again for it
+        failures: list[str] = []  # what went wrong, in order: logs and the final error
+        attach_to = ""
+        moves = 0
+        while True:
+            if record.cancelled:
+                yield self._final_event(record, common_pb2.FINISH_REASON_ABORTED)
+                return
+            if record.shutting_down or self.stopping:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{SHUTTING_DOWN}; retry the request")
+            if attach_to:
+                wid, attach_to = attach_to, ""
+                wreq = worker_pb2.WorkerGenerateRequest(request_id=rid, attach=True)
+                attach = True
+            else:
+                remaining = record.max_tokens - len(record.token_ids)
+                if remaining <= 0:  # every token was emitted but the finish event was lost with the worker
+                    yield self._final_event(record, common_pb2.FINISH_REASON_LENGTH)
+                    return
+                wid = await self._route(record, dead, failures, context)
+                if wid is None:
+                    continue  # cancelled or shutting down while waiting: the loop top answers
+                wreq = self._worker_request(record, remaining)
+                attach = False
+            record.worker_id = wid
+            seg = _Segment(wid, attach)
+            if not attach:
+                self.pool.router.routed(wid, rid, len(wreq.prompt_token_ids) + 1, time.monotonic())
+            try:
+                async for ev in self._relay(record, seg, wreq):
+                    yield ev
+            finally:
+                self.pool.router.done(wid, rid)
+            if seg.finished:
+                return
+            if record.cancelled or record.shutting_down or seg.local_cancel:
+                continue
+            if seg.moved_to:
+                moves += 1
+                if seg.moved_to in self.pool.stubs and moves <= MAX_MOVES:
+                    self.log.info("request_moved", request_id=rid, from_worker=wid, to_worker=seg.moved_to,
+                                  emitted=len(record.token_ids))
+                    attach_to = seg.moved_to
+                    continue
+                failures.append(f"{wid}: moved to {seg.moved_to!r}, which cannot be attached")
+                self.log.warning("request_move_unusable", request_id=rid, from_worker=wid, to_worker=seg.moved_to,
+                                 moves=moves)
+                await self._resume_or_give_up(record, wid, failures, context)
+                continue
+            await self._after_failure(record, seg, dead, failures, context)
+
+    def _worker_request(self, record: RequestRecord, remaining: int) -> worker_pb2.WorkerGenerateRequest:
+        emitted = len(record.token_ids)
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(record.sampling)
+        if emitted:
+            sampling.max_tokens = remaining
+        record.index_offset = emitted
+        return worker_pb2.WorkerGenerateRequest(request_id=record.request_id,
+                                                prompt_token_ids=record.prompt_token_ids + record.token_ids,
+                                                sampling=sampling)
+
+    async def _after_failure(self, record: RequestRecord, seg: _Segment, dead: set[str], failures: list[str],
+                             context) -> None:
+        """A worker stream ended without finishing: decide between retry, resume and an error."""
+        rid, wid, exc = record.request_id, seg.worker_id, seg.error
+        code = exc.code() if exc is not None else None
+        details = (exc.details() or code.name) if exc is not None else "the stream ended without a finish event"
+        if seg.attach and seg.received == 0:
+            # The attach did not take (the new head does not know the request, died, or refuses):
+            # fall back to a resume by re-prefill. Make sure a half-alive copy there is dropped first.
+            failures.append(f"{wid}: attach failed: {code.name if code else 'ended'}: {details}")
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self.pool.mark(wid, False)
+                dead.add(wid)
+            elif code != grpc.StatusCode.NOT_FOUND:
+                await self._cancel_on_worker(wid, rid)
+            self.log.warning("attach_failed", request_id=rid, worker=wid, code=code.name if code else None,
+                             error=details)
+            await self._resume_or_give_up(record, wid, failures, context)
+            return
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            # Alive but not routable (dropped layers, forming a group): wait for a poll that says it
+            # serves again; it is not excluded for this request.
+            self.pool.router.refused(wid, time.monotonic())
+            self.log.info("worker_not_serving_retrying", request_id=rid, worker=wid, emitted=len(record.token_ids),
+                          error=details)
+            if seg.received:
+                failures.append(f"{wid}: {code.name}: {details}")
+                await self._resume_or_give_up(record, wid, failures, context)
+            return
+        if code is None or code in _WORKER_FAILURE_CODES:
+            self.pool.mark(wid, False)
+            dead.add(wid)
+            failures.append(f"{wid}: {code.name if code else 'ENDED'}: {details}")
+            if record.token_ids:
+                await self._resume_or_give_up(record, wid, failures, context)
+            else:
+                # Nothing was streamed yet: a plain retry elsewhere.
+                self.log.warning("worker_unavailable_retrying", request_id=rid, worker=wid, error=details)
+            return
+        # Validation and other errors from the worker keep their status and message.
+        await context.abort(code, details)
+
+    async def _resume_or_give_up(self, record: RequestRecord, wid: str, failures: list[str], context) -> None:
+        if not record.token_ids:
+            return  # nothing emitted: the next attempt is a plain (re)try, not a resume
+        record.resumes += 1
+        if record.resumes > self.max_resumes:
+            self.log.error("request_resume_gave_up", request_id=record.request_id, emitted=len(record.token_ids),
+                           resumes=record.resumes - 1, failures=failures)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"request {record.request_id!r} lost its worker {record.resumes} times after "
+                                f"{len(record.token_ids)} tokens; gave up after {self.max_resumes} resumes: "
+                                + "; ".join(failures))
+        self.log.warning("request_resuming", request_id=record.request_id, from_worker=wid,
+                         emitted=len(record.token_ids), attempt=record.resumes, error=failures[-1] if failures else "")
+
+    async def _route(self, record: RequestRecord, dead: set[str], failures: list[str], context) -> str | None:
+        """The most-free routable worker not in `dead`; waits (re-polling) while none is routable but
+        some candidate is alive, up to route_timeout_s without a token. None: cancelled / shutting down."""
+        router = self.pool.router
+        if record.route_deadline is None:
+            record.route_deadline = time.monotonic() + self.route_timeout_s
+        polled = logged = False
+        while True:
+            if record.cancelled or record.shutting_down or self.stopping:
+                return None
+            wid = router.choose(exclude=dead)
+            if wid is not None:
+                if logged:
+                    self.log.info("routable_worker_found", request_id=record.request_id, worker=wid)
+                return wid
+            if polled:
+                alive = router.may_become_routable(exclude=dead)
+                if not alive or time.monotonic() >= record.route_deadline:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, self._no_route_message(record, dead, failures))
+                if not logged:
+                    logged = True
+                    self.log.info("waiting_for_routable_worker", request_id=record.request_id,
+                                  timeout_s=round(record.route_deadline - time.monotonic(), 3))
+                await self._pause(record, ROUTE_RETRY_S)
+            await self.pool.refresh()  # maybe a worker is just coming (back) up or finished a transition
+            polled = True
+
+    def _no_route_message(self, record: RequestRecord, dead: set[str], failures: list[str]) -> str:
+        states = []
+        for wid in sorted(self.pool.stubs):
+            inst = self.pool.router.instances.get(wid)
+            if wid in dead:
+                state = "failed"
+            elif inst is None or not inst.healthy:
+                state = "unreachable"
+            else:
+                state = "not serving"
+            states.append(f"{wid}: {state}")
+        msg = f"no routable worker for request {record.request_id!r} ({', '.join(states) or 'no workers'})"
+        if record.token_ids:
+            msg += f" to resume it after {len(record.token_ids)} tokens"
+        if failures:
+            msg += "; " + "; ".join(failures)
+        return msg
+
+    async def _relay(self, record: RequestRecord, seg: _Segment, wreq: worker_pb2.WorkerGenerateRequest):
+        call = self.pool.stubs[seg.worker_id].Generate(wreq)
         record.call = call
-        last = record.arrival
         try:
             async for ev in call:
+                seg.received += 1
+                if ev.moved_to:
+                    seg.moved_to = ev.moved_to  # nothing to show the client: continue where it moved
+                    return
                 now = time.monotonic()
                 text = self._text(record.token_ids, ev.token_id)
                 if ev.token_id >= 0:
                     record.token_ids.append(ev.token_id)
+                    record.route_deadline = None  # progress: a later wait gets the whole timeout again
+                if ev.finish_reason:
+                    seg.finished = record.finished = True
                 yield generation_pb2.GenerateEvent(
-                    request_id=record.request_id, token_id=ev.token_id, text=text, index=ev.index,
-                    finish_reason=ev.finish_reason, elapsed_s=now - record.arrival, token_latency_s=now - last,
-                    worker_id=record.worker_id, num_prompt_tokens=len(record.prompt_token_ids),
+                    request_id=record.request_id, token_id=ev.token_id, text=text,
+                    index=ev.index + record.index_offset, finish_reason=ev.finish_reason,
+                    elapsed_s=now - record.arrival, token_latency_s=now - record.last_event,
+                    worker_id=seg.worker_id, num_prompt_tokens=len(record.prompt_token_ids),
                 )
-                last = now
+                record.last_event = now
+                if seg.finished:
+                    return
         except asyncio.CancelledError:
-            if record.shutting_down:
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None,
-                                           details="the dispatcher is shutting down") from None
-            raise
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the client went away (or the server is stopping the handler)
+            seg.local_cancel = True  # our own call.cancel(): Cancel or shutdown
+        except grpc.aio.AioRpcError as exc:
+            seg.error = exc
         finally:
-            record.call = None
+            if record.call is call:
+                record.call = None
             if not call.done():
                 call.cancel()
 
-    async def _fail(self, record: RequestRecord, exc: grpc.aio.AioRpcError, context) -> None:
-        code = exc.code()
-        if record.shutting_down:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the dispatcher is shutting down; retry the request")
-        if code == grpc.StatusCode.UNAVAILABLE or code == grpc.StatusCode.CANCELLED and record.token_ids:
-            self.pool.mark(record.worker_id, False)
-            self.log.warning("worker_failed_mid_stream", request_id=record.request_id, worker=record.worker_id,
-                             tokens=len(record.token_ids), error=exc.details())
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"worker {record.worker_id} failed after {len(record.token_ids)} tokens: {exc.details()}")
-        # Validation and other errors from the worker keep their status and message.
-        await context.abort(code, exc.details() or code.name)
+    async def _cancel_on_worker(self, wid: str, rid: str) -> None:
+        try:
+            await self.pool.stubs[wid].Cancel(common_pb2.CancelRequest(request_id=rid), timeout=CANCEL_RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            pass
 
     async def Cancel(self, request, context):
         rid = request.request_id
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         record = self.records.get(rid)
-        if record is None or not record.worker_id:
+        if record is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: no running request {rid!r}")
-        try:
-            await self.pool.stubs[record.worker_id].Cancel(common_pb2.CancelRequest(request_id=rid), timeout=5.0)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                await context.abort(exc.code(), f"cancel on worker {record.worker_id}: {exc.details()}")
+        if record.finished:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: {rid!r} already finished")
+        # From here on nothing is retried, moved or resumed: the stream ends with ABORTED.
+        record.cancelled = True
+        record.wake.set()
+        call, wid = record.call, record.worker_id
+        if call is not None and not call.done():
+            try:
+                # The worker frees the request and ends its stream with an ABORTED event (its index).
+                await self.pool.stubs[wid].Cancel(common_pb2.CancelRequest(request_id=rid),
+                                                  timeout=CANCEL_RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                # Not (or no longer) there, or unreachable: end our call; the dispatcher answers ABORTED.
+                self.log.info("cancel_on_worker_failed", request_id=rid, worker=wid, code=exc.code().name)
+                if record.call is call:
+                    call.cancel()
+        self.log.info("request_cancelled", request_id=rid, worker=wid or None, emitted=len(record.token_ids))
         return common_pb2.CancelResponse(cancelled=True)
 
     async def shutdown(self) -> None:
+        """Refuse new requests; end the in-flight ones with UNAVAILABLE "the dispatcher is shutting down"."""
+        self.stopping = True
         for record in list(self.records.values()):
             record.shutting_down = True
+            record.wake.set()
             if record.call is not None:
                 record.call.cancel()
