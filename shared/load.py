@@ -6,6 +6,7 @@ demand of its head-of-line queued requests exceed its capacity.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kunserve.v1 import common_pb2, monitor_pb2
@@ -51,11 +52,14 @@ class ClusterLoad:
         """The latest stats of every worker that reported within ``stale_after_s`` (sorted by worker id)."""
         return [t.stats for _, t in sorted(self._workers.items()) if now - t.received_at <= self.stale_after_s]
 
-    def reported_since(self, t0: float, now: float, min_epoch: int = 0) -> bool:
-        """True when every fresh worker's latest stats arrived after ``t0`` and report layout epoch
-        ``min_epoch`` or later: the snapshot reflects a change that finished at ``t0``."""
-        return all(t.received_at > t0 and t.stats.epoch >= min_epoch
-                   for t in self._workers.values() if now - t.received_at <= self.stale_after_s)
+    def reported_since(self, t0: float, now: float, min_epoch: int = 0,
+                       epoch_workers: Iterable[str] | None = None) -> bool:
+        """True when every fresh worker's latest stats arrived after ``t0`` and those of ``epoch_workers``
+        (None: every worker) report layout epoch ``min_epoch`` or later: the snapshot reflects a layout change
+        that finished at ``t0`` (only the workers a transition involved move to its epoch)."""
+        need = None if epoch_workers is None else set(epoch_workers)
+        return all(t.received_at > t0 and (t.stats.epoch >= min_epoch or (need is not None and wid not in need))
+                   for wid, t in self._workers.items() if now - t.received_at <= self.stale_after_s)
 
     @staticmethod
     def is_overloaded(s: common_pb2.WorkerStats) -> bool:

@@ -129,7 +129,8 @@ class OverloadController:
         self.log = get_logger().bind(component="overload_policy")
         self._fail_streak = 0
         self._backoff_until = -float("inf")
-        self._settle: tuple[float, int, float] | None = None  # (changed at, min epoch, give up at)
+        # after a layout change: (changed at, its epoch, the workers it involved, give up at)
+        self._settle: tuple[float, int, frozenset[str], float] | None = None
         self._last_skipped: dict[str, str] = {}
         self._last_reason = ""
         self._task: asyncio.Task | None = None
@@ -178,8 +179,8 @@ class OverloadController:
         if now < self._backoff_until:
             return None
         if self._settle is not None:
-            changed_at, min_epoch, give_up_at = self._settle
-            if not self.load.reported_since(changed_at, now, min_epoch) and now < give_up_at:
+            changed_at, min_epoch, involved, give_up_at = self._settle
+            if not self.load.reported_since(changed_at, now, min_epoch, involved) and now < give_up_at:
                 return None
             self._settle = None
         units = build_units(self.load.fresh_stats(now))
@@ -231,7 +232,7 @@ class OverloadController:
             self._failed("drop", rep.error or "not completed", rolled_back=rep.rolled_back, epoch=rep.epoch)
             return
         self.counters.drops += 1
-        self._succeeded(rep.epoch)
+        self._succeeded(rep.epoch, _changed_workers(rep))
         self.log.info("policy_drop", epoch=rep.epoch,
                       groups={g.group_id: [m.worker_id for m in g.members] for g in rep.groups if len(g.members) > 1},
                       requests_moved=rep.requests_moved, kv_bytes_moved=rep.kv_bytes_moved,
@@ -241,6 +242,7 @@ class OverloadController:
         done: list[str] = []
         errors: dict[str, str] = {}
         epoch = 0
+        involved: set[str] = set()
         for gid in decision.units:
             try:
                 rep = await self.mm.restore(gid)
@@ -250,23 +252,24 @@ class OverloadController:
             if rep.completed:
                 done.append(gid)
                 epoch = max(epoch, rep.epoch)
+                involved |= _changed_workers(rep)
                 self.counters.restores += 1
             else:
                 errors[gid] = rep.error or "not completed"
         if errors:
             self._failed("restore", "; ".join(f"{g}: {e}" for g, e in errors.items()), restored=done)
             if done:  # the layout did change: wait for fresh stats all the same
-                self._settle = (self.clock(), epoch, self.clock() + self.settle_timeout_s)
+                self._settle = (self.clock(), epoch, frozenset(involved), self.clock() + self.settle_timeout_s)
             return
-        self._succeeded(epoch)
+        self._succeeded(epoch, involved)
         self.log.info("policy_restore", epoch=epoch, groups=done, counters=asdict(self.counters))
 
-    def _succeeded(self, epoch: int) -> None:
+    def _succeeded(self, epoch: int, involved: set[str] | frozenset[str]) -> None:
         now = self.clock()
         self.policy.complete(now, ok=True)
         self._fail_streak = 0
         self._backoff_until = -float("inf")
-        self._settle = (now, epoch, now + self.settle_timeout_s)
+        self._settle = (now, epoch, frozenset(involved), now + self.settle_timeout_s)
 
     def _failed(self, action: str, error: str, **extra) -> None:
         now = self.clock()
@@ -277,6 +280,13 @@ class OverloadController:
         self._backoff_until = now + backoff
         self.log.warning("policy_action_failed", action=action, error=error, retry_in_s=backoff,
                          counters=asdict(self.counters), **extra)
+
+
+def _changed_workers(rep: memory_manager_pb2.TransitionReport) -> set[str]:
+    """The workers a transition moved to its epoch: the members of the units it changed (all units it lists
+    when none is marked changed)."""
+    groups = [g for g in rep.groups if g.changed] or list(rep.groups)
+    return {m.worker_id for g in groups for m in g.members}
 
 
 def overload_config_from(section) -> OverloadConfig:

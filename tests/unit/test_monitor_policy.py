@@ -97,8 +97,32 @@ def test_overload_drops_with_the_requirement_and_settles_before_deciding_again()
     assert d.action == NONE and len(mm.drops) == 1
 
 
+def dropped(epoch=2, members=("w0", "w1")):
+    return memory_manager_pb2.TransitionReport(
+        op="drop", epoch=epoch, completed=True,
+        groups=[memory_manager_pb2.PlannedGroup(group_id="g", changed=True, members=[
+            memory_manager_pb2.WorkerLayout(worker_id=w) for w in members]),
+            memory_manager_pb2.PlannedGroup(group_id="w9", members=[memory_manager_pb2.WorkerLayout(worker_id="w9")])])
+
+
+def test_settling_waits_for_the_new_epoch_only_on_the_workers_the_drop_involved():
+    ctl, load, mm, clock = make()
+    mm.drop_result = dropped(members=("w0", "w1"))
+    report(load, clock, whole("w0", used=990, queued=60), whole("w1", used=990), whole("w9", used=10))
+    assert asyncio.run(ctl.tick()).action == DROP
+    clock.t += 0.5
+    # w0 already at the new epoch, w1 not yet; w9 (not involved) stays at its epoch
+    report(load, clock, member("w0", "g", ["w0", "w1"], used=1500), whole("w1", used=990), whole("w9", used=10))
+    assert asyncio.run(ctl.tick()) is None
+    clock.t += 0.5
+    report(load, clock, member("w0", "g", ["w0", "w1"], used=1500), member("w1", "g", ["w0", "w1"], used=1500),
+           whole("w9", used=10))
+    assert asyncio.run(ctl.tick()).action == NONE
+
+
 def test_settling_gives_up_after_a_timeout_when_epochs_never_arrive():
     ctl, load, mm, clock = make(settle_timeout_s=2.0)
+    mm.drop_result = dropped(members=("w0",))
     report(load, clock, whole("w0", used=990, queued=60))
     asyncio.run(ctl.tick())
     clock.t += 1.0

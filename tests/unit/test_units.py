@@ -129,6 +129,8 @@ def test_cluster_load_reported_since():
     load.observe(whole("a", epoch=1), now=3.0)
     assert load.reported_since(1.5, now=3.0)
     assert not load.reported_since(1.5, now=3.0, min_epoch=2)
+    assert load.reported_since(1.5, now=3.0, min_epoch=2, epoch_workers=["b"])   # a was not involved
+    assert not load.reported_since(1.5, now=3.0, min_epoch=2, epoch_workers=["a"])
     load.observe(whole("a", epoch=2), now=3.1)
     assert load.reported_since(1.5, now=3.1, min_epoch=2)
     assert not load.reported_since(2.5, now=4.0)              # b (received at 2.0) has not reported since
