@@ -19,6 +19,10 @@ class WorkerPlacement:
     layer_end: int
     group_id: str
     reachable: bool = True
+    transfer_address: str = ""
+    serving: bool = True
+    group_members: tuple[str, ...] = ()
+    epoch: int = 0  # the worker's own layout epoch (its latest transition)
 
 
 @dataclass
@@ -27,16 +31,21 @@ class LayoutState:
     epoch: int = 0
     workers: dict[str, WorkerPlacement] = field(default_factory=dict)
 
-    def observe(self, worker_id: str, address: str, layer_start: int, layer_end: int, num_layers_model: int) -> bool:
-        """Record what a worker reports it holds; bump the epoch when anything changed."""
+    def observe(self, worker_id: str, address: str, layer_start: int, layer_end: int, num_layers_model: int, *,
+                group_id: str = "", transfer_address: str = "", serving: bool = True,
+                group_members: tuple[str, ...] = (), epoch: int = 0) -> bool:
+        """Record what a worker reports it holds; bump the epoch when anything changed. The epoch never falls
+        behind a worker's own (after a memory-manager restart it resumes above every worker's)."""
         if num_layers_model and self.num_layers_model and num_layers_model != self.num_layers_model:
             raise ValueError(f"worker {worker_id} serves a {num_layers_model}-layer model, the cluster has "
                              f"{self.num_layers_model} layers")
         self.num_layers_model = num_layers_model or self.num_layers_model
         prev = self.workers.get(worker_id)
         # A worker holding every layer is an instance of its own; groups come with drop plans.
-        group = prev.group_id if prev is not None and prev.group_id else worker_id
-        new = WorkerPlacement(worker_id, address, layer_start, layer_end, group, True)
+        group = group_id or worker_id
+        new = WorkerPlacement(worker_id, address, layer_start, layer_end, group, True, transfer_address, serving,
+                              tuple(group_members) or (worker_id,), epoch)
+        self.epoch = max(self.epoch, epoch)
         if prev != new:
             self.workers[worker_id] = new
             self.epoch += 1
@@ -54,5 +63,6 @@ class LayoutState:
             epoch=self.epoch, num_layers_model=self.num_layers_model,
             workers=[memory_manager_pb2.WorkerLayout(
                 worker_id=w.worker_id, address=w.address, layer_start=w.layer_start, layer_end=w.layer_end,
-                group_id=w.group_id, reachable=w.reachable) for _, w in sorted(self.workers.items())],
+                group_id=w.group_id, reachable=w.reachable, transfer_address=w.transfer_address,
+                serving=w.serving) for _, w in sorted(self.workers.items())],
         )

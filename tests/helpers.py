@@ -19,6 +19,7 @@ def make_config(num_workers: int = 2, **engine):
     cfg.engine.pool_mib = engine.pop("pool_mib", TEST_POOL_MIB)
     cfg.engine.threads = 1
     cfg.monitor.stats_interval_s = 0.1
+    cfg.monitor.auto_drop = engine.pop("auto_drop", False)  # tests that want automatic drops ask for them
     cfg.logging.format = "json"
     for k, v in engine.items():
         setattr(cfg.engine, k, v)

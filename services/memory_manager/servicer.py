@@ -14,6 +14,8 @@ from kunserve.shared.config import ClusterConfig
 from kunserve.shared.layout import LayoutState
 from kunserve.shared.log import get_logger
 from kunserve.shared.rpc import insecure_channel
+
+from .orchestrator import OrchestrationError, Orchestrator
 from kunserve.v1 import (admin_pb2, admin_pb2_grpc, common_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc, worker_pb2,
                          worker_pb2_grpc)
 
@@ -27,6 +29,11 @@ class MemoryManager:
         self.log = get_logger()
         self._channels = {w.id: insecure_channel(w.address) for w in cfg.workers}
         self.monitor_channel = insecure_channel(cfg.monitor.address)
+        self.orchestrator = Orchestrator(self, cfg.memory_manager.transition_timeout_s)
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return list(self._channels)
 
     def worker_stub(self, worker_id: str) -> worker_pb2_grpc.WorkerStub | None:
         ch = self._channels.get(worker_id)
@@ -41,9 +48,12 @@ class MemoryManager:
                 self.layout.mark_unreachable(worker_id)
                 return
             try:
-                if self.layout.observe(worker_id, info.address, info.layer_start, info.layer_end, info.num_layers_model):
+                if self.layout.observe(worker_id, info.address, info.layer_start, info.layer_end, info.num_layers_model,
+                                       group_id=info.group_id, transfer_address=info.transfer_address,
+                                       serving=info.serving, group_members=tuple(info.group_members),
+                                       epoch=info.epoch):
                     self.log.info("layout_changed", worker=worker_id, layers=[info.layer_start, info.layer_end],
-                                  epoch=self.layout.epoch)
+                                  group=info.group_id, epoch=self.layout.epoch)
             except ValueError as exc:
                 self.log.error("layout_inconsistent", worker=worker_id, error=str(exc))
 
@@ -66,6 +76,37 @@ class MemoryManagerServicer(memory_manager_pb2_grpc.MemoryManagerServicer):
 
     async def GetLayout(self, request, context):
         return self.mm.layout.to_pb()
+
+    async def _orchestrate(self, context, coro):
+        try:
+            return await coro
+        except OrchestrationError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        except ValueError as exc:  # the planner's argument checks
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    @staticmethod
+    async def _check_requirement(request, context) -> None:
+        if request.required_blocks < 0 or request.required_bytes < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "required_blocks / required_bytes: must be >= 0")
+        if request.required_blocks and request.required_bytes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give required_blocks or required_bytes, not both")
+
+    async def PlanDrop(self, request, context):
+        await self._check_requirement(request, context)
+
+        async def plan():
+            reply, *_ = await self.mm.orchestrator.plan(request)
+            return reply
+
+        return await self._orchestrate(context, plan())
+
+    async def Drop(self, request, context):
+        await self._check_requirement(request, context)
+        return await self._orchestrate(context, self.mm.orchestrator.drop(request))
+
+    async def Restore(self, request, context):
+        return await self._orchestrate(context, self.mm.orchestrator.restore(request))
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):

@@ -172,11 +172,16 @@ class TransitionRunner:
             kv_blocks_after=after, kv_blocks_now=self.engine_loop.stats().kv_blocks_total)
 
     async def abort(self, epoch: int) -> worker_pb2.TransitionDone:
+        """Before Execute: resume the old layout unchanged. After this worker executed `epoch` into a group
+        while another member failed: leave the group (heal to a whole instance; requests re-prefill)."""
         p = self.prepared
         if p is not None and p.spec.epoch == epoch and not p.executed:
             self.prepared = None
             self.engine_loop.resume()
             self.log.info("transition_aborted", epoch=epoch)
+        elif p is None and self.epoch == epoch and self.role is not None:
+            self.log.warning("transition_undone_healing", epoch=epoch)
+            await self._on_engine(lambda engine: self._heal(engine))
         return self._done(epoch, TransitionStats())
 
     async def execute(self, spec: worker_pb2.TransitionSpec) -> worker_pb2.TransitionDone:

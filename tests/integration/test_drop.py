@@ -1,0 +1,122 @@
+"""Cluster parameter drop end to end (KunServe §4): 4 real workers, UCX KV exchange, pipeline groups.
+
+The oracle: greedy tokens of requests whose life spans normal -> drop (mid-decode, KV exchanged) ->
+pipeline -> restore (KV exchanged back) -> normal equal the independent reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from helpers import make_config, reference_for, run
+from kunserve import client
+from kunserve.cli.launcher import LocalCluster
+from kunserve.v1 import common_pb2, memory_manager_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc
+from oracle import compare_greedy
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cluster4(tmp_path_factory):
+    cfg = make_config(4)
+    cfg.dispatcher.route_timeout_s = 60.0
+    c = LocalCluster(cfg, run_dir=tmp_path_factory.mktemp("drop"))
+    c.start(timeout_s=180)
+    yield c
+    c.stop()
+
+
+def _prompts(n: int, seed: int, lo: int = 8, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 4000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+async def _mm(c: LocalCluster):
+    return grpc.aio.insecure_channel(c.cfg.memory_manager.address)
+
+
+async def _generate_all(c: LocalCluster, prompts, max_tokens: int, progress: dict):
+    async with client.insecure_channel(c.cfg.dispatcher.address) as ch:
+        async def one(i, p):
+            def seen(ev):
+                progress[i] = progress.get(i, 0) + (ev.token_id >= 0)
+            return await client.generate(ch, client.make_request(p, request_id=f"r{i}", max_tokens=max_tokens),
+                                         timeout=240, on_event=seen)
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+async def _wait_tokens(progress: dict, n: int, at_least: int, timeout: float = 120, since: dict | None = None) -> None:
+    """Until n requests produced at_least tokens (counting from the `since` snapshot)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    since = since or {}
+    while sum(1 for k, v in progress.items() if v - since.get(k, 0) >= at_least) < n:
+        assert loop.time() < end, f"requests made no progress: {progress} (since {since})"
+        await asyncio.sleep(0.05)
+
+
+def _check(prompts, results, max_tokens):
+    for p, r in zip(prompts, results):
+        ref, margins = reference_for(p, max_tokens)
+        compare_greedy(r.token_ids, ref, margins)
+
+
+def test_drop_then_restore_mid_decode_keeps_greedy_tokens(cluster4):
+    prompts = _prompts(12, seed=1)
+    max_tokens = 48
+
+    async def go():
+        progress: dict = {}
+        gen = asyncio.create_task(_generate_all(cluster4, prompts, max_tokens, progress))
+        await _wait_tokens(progress, len(prompts), 3)
+        async with grpc.aio.insecure_channel(cluster4.cfg.memory_manager.address) as ch:
+            mm = memory_manager_pb2_grpc.MemoryManagerStub(ch)
+            drop = await mm.Drop(memory_manager_pb2.DropRequest(groups=[
+                memory_manager_pb2.GroupMembers(worker_ids=["worker-0", "worker-1"]),
+                memory_manager_pb2.GroupMembers(worker_ids=["worker-2", "worker-3"])], reason="manual"), timeout=120)
+            assert drop.completed, drop.error
+            assert drop.requests_moved > 0 and drop.kv_bytes_moved > 0
+            layout = await mm.GetLayout(common_pb2.Empty(), timeout=10)
+            ranges = {w.worker_id: (w.layer_start, w.layer_end, w.group_id) for w in layout.workers}
+            assert ranges["worker-0"][:2] == (0, 2) and ranges["worker-1"][:2] == (2, 4)
+            assert ranges["worker-0"][2] == ranges["worker-1"][2] == "worker-0+worker-1"
+            await _wait_tokens(progress, 2, 3, since=dict(progress))  # the pipeline groups decode
+            restore = await mm.Restore(memory_manager_pb2.RestoreRequest(), timeout=120)
+            assert restore.completed, restore.error
+            assert restore.epoch > drop.epoch
+            layout = await mm.GetLayout(common_pb2.Empty(), timeout=10)
+            assert all((w.layer_start, w.layer_end) == (0, 4) for w in layout.workers)
+        return drop, restore, await gen
+
+    drop, restore, results = run(go(), timeout=280)
+    _check(prompts, results, max_tokens)
+
+
+def test_drop_bad_input_is_refused_and_layout_unchanged(cluster4):
+    async def go():
+        async with grpc.aio.insecure_channel(cluster4.cfg.memory_manager.address) as ch:
+            mm = memory_manager_pb2_grpc.MemoryManagerStub(ch)
+            epoch = (await mm.GetLayout(common_pb2.Empty(), timeout=10)).epoch
+            codes = []
+            for groups in (["worker-0", "nope"], ["worker-0"], ["worker-0", "worker-0"]):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await mm.Drop(memory_manager_pb2.DropRequest(
+                        groups=[memory_manager_pb2.GroupMembers(worker_ids=groups)]), timeout=30)
+                codes.append((e.value.code(), e.value.details()))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await mm.Restore(memory_manager_pb2.RestoreRequest(group_id="worker-1"), timeout=30)
+            codes.append((e.value.code(), e.value.details()))
+            after = (await mm.GetLayout(common_pb2.Empty(), timeout=10)).epoch
+            return codes, epoch, after
+
+    codes, epoch, after = run(go())
+    assert codes[0][0] == grpc.StatusCode.NOT_FOUND and "nope" in codes[0][1]
+    assert codes[1][0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert codes[2][0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert codes[3][0] == grpc.StatusCode.FAILED_PRECONDITION and "not a dropped group" in codes[3][1]
+    assert after == epoch
