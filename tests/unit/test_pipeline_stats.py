@@ -44,6 +44,9 @@ def test_servicer_fills_them_from_the_engine():
     class Instance:
         layer_range = (0, 1)
 
+        def capacity_for(self, start: int, end: int) -> int:
+            return 8
+
     ident = WorkerIdentity("w", "127.0.0.1:1", "one", 1, cfg.vocab_size, 64, "cpu", "float32")
     s = WorkerServicer(ident, EngineLoop(eng), Instance()).current_stats()
     assert s.busy_seconds_total > 0 and s.idle_seconds_total >= 0
