@@ -76,7 +76,7 @@ class Orchestrator:
 
         async def info(wid: str):
             try:
-                return wid, await self.mm.worker_stub(wid).GetInfo(common_pb2.Empty(), timeout=5.0)
+                return wid, await self.mm.worker_stub(wid).GetInfo(common_pb2.Empty(), timeout=5.0, wait_for_ready=True)
             except grpc.aio.AioRpcError:
                 return wid, None
 
@@ -250,7 +250,7 @@ class Orchestrator:
 
         # 1. prepare
         tp = time.perf_counter()
-        prepared = await self._each(workers, lambda stub, _: stub.PrepareTransition(spec, timeout=timeout))
+        prepared = await self._each(workers, lambda stub, _: stub.PrepareTransition(spec, timeout=timeout, wait_for_ready=True))
         report.prepare_seconds = time.perf_counter() - tp
         failed = {w: r for w, r in prepared.items() if isinstance(r, Exception)}
         if failed:

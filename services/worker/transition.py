@@ -21,6 +21,7 @@ nothing is lost; the memory manager then reports the transition as rolled back.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,12 +34,24 @@ from kunserve.shared.engine.engine import Engine, GroupBroken, SeqSnapshot
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.log import get_logger
-from kunserve.shared.transfer.framing import KV_EXCHANGE
-from kunserve.shared.transfer.service import TransferService
+from kunserve.shared.transfer.framing import CONTROL, KV_EXCHANGE
+from kunserve.shared.transfer.service import TransferError, TransferService
 from kunserve.shared.transition import Flow, Member, SeqMove, TransitionError, UnitDef, kv_flows, unit_of
 from kunserve.v1 import worker_pb2
 
 from .group import GroupRole, StageRunner, UcxPipelineLink
+
+
+FAULT_ENV = "KUNSERVE_FAULT"
+PING = "ping"
+
+
+def _fault_point(name: str, worker_id: str) -> None:
+    """Fault injection for the fault-tolerance tests: KUNSERVE_FAULT=<name>:<worker id> kills this
+    worker at that point (as a crash would: no cleanup, no goodbye to its peers)."""
+    if os.environ.get(FAULT_ENV) == f"{name}:{worker_id}":
+        get_logger().error("fault_injected", fault=name)
+        os._exit(70)
 
 
 class TransitionRefused(RuntimeError):
@@ -113,6 +126,8 @@ class TransitionRunner:
         self.loop: asyncio.AbstractEventLoop | None = None
         engine_loop.on_group_broken = self._heal_on_engine_thread
         svc.on_peer_lost(self._peer_lost)
+        svc.on_message(CONTROL, lambda msg: None)  # liveness pings: arriving is all they do
+        self._watchdog: asyncio.Task | None = None
 
     # -- state ------------------------------------------------------------------------------------------
     @property
@@ -232,6 +247,8 @@ class TransitionRunner:
                                            epoch=spec.epoch, name=f"kv:{spec.epoch}"))
             stats.bytes_sent += data.numel() * data.element_size()
 
+        _fault_point("die_in_exchange", me)
+
         # 3. remap to the new layer range (overlaps the sends on the wire)
         t1 = time.perf_counter()
         await self._on_engine(lambda engine: self.instance.to_range(*new_member.range))
@@ -273,6 +290,8 @@ class TransitionRunner:
 
         await self._on_engine(finish)
         stats.scatter_s = time.perf_counter() - t0
+        if self.role is not None and (self._watchdog is None or self._watchdog.done()):
+            self._watchdog = asyncio.get_running_loop().create_task(self._ping_members())
         self._switch_streams(old_owned, {s.request.request_id for s in mine}, spec, new_units)
         self.epoch = spec.epoch
         self.log.info("transition_done", epoch=spec.epoch, op=spec.op, unit=new_unit.unit_id,
@@ -342,6 +361,21 @@ class TransitionRunner:
                 self.moved_in[rid] = q
                 self.engine_loop.register(rid, lambda ev, rid=rid: self.streams.put_threadsafe(rid, ev))
                 asyncio.get_running_loop().call_later(self.timeout_s, self._expire_unattached, rid)
+
+    async def _ping_members(self, interval_s: float = 0.5) -> None:
+        """While in a group, ping every other member over UCX: a crashed peer is noticed on the next send
+        (a receive alone may wait forever), which breaks the group and heals this worker."""
+        beat = torch.zeros(1, dtype=torch.uint8)
+        while self.role is not None:
+            role = self.role
+            for peer in role.members:
+                if peer == self.worker_id:
+                    continue
+                try:
+                    self.svc.submit(peer, CONTROL, beat, name=PING, epoch=role.epoch)
+                except (TransferError, RuntimeError) as exc:
+                    self._peer_lost(peer, exc)
+            await asyncio.sleep(interval_s)
 
     def _expire_unattached(self, rid: str) -> None:
         """Nobody attached to a request that moved here (its client is gone): free it."""

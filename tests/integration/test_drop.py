@@ -120,3 +120,66 @@ def test_drop_bad_input_is_refused_and_layout_unchanged(cluster4):
     assert codes[2][0] == grpc.StatusCode.INVALID_ARGUMENT
     assert codes[3][0] == grpc.StatusCode.FAILED_PRECONDITION and "not a dropped group" in codes[3][1]
     assert after == epoch
+
+
+# -- faults ---------------------------------------------------------------------------------------------
+
+
+def _fault_cluster(tmp_path, env=None) -> LocalCluster:
+    cfg = make_config(2)
+    cfg.dispatcher.route_timeout_s = 60.0
+    cfg.memory_manager.transition_timeout_s = 10.0
+    c = LocalCluster(cfg, run_dir=tmp_path, env=env)
+    c.start(timeout_s=180)
+    return c
+
+
+async def _drop_pair(c: LocalCluster):
+    async with grpc.aio.insecure_channel(c.cfg.memory_manager.address) as ch:
+        mm = memory_manager_pb2_grpc.MemoryManagerStub(ch)
+        return await mm.Drop(memory_manager_pb2.DropRequest(groups=[
+            memory_manager_pb2.GroupMembers(worker_ids=["worker-0", "worker-1"])]), timeout=120)
+
+
+@pytest.mark.parametrize("victim", ["worker-1", "worker-0"])
+def test_killing_a_group_member_mid_decode_loses_no_request(tmp_path, victim):
+    """Stage killed: the head heals (restores every layer from its host copy) and re-prefills its requests.
+    Head killed: the dispatcher resumes its requests on the survivor, which healed to a whole instance."""
+    c = _fault_cluster(tmp_path)
+    prompts = _prompts(8, seed=3)
+    max_tokens = 40
+    try:
+        async def go():
+            progress: dict = {}
+            gen = asyncio.create_task(_generate_all(c, prompts, max_tokens, progress))
+            await _wait_tokens(progress, len(prompts), 2)
+            drop = await _drop_pair(c)
+            assert drop.completed, drop.error
+            await _wait_tokens(progress, 2, 2, since=dict(progress))
+            c.kill(victim)
+            return await gen
+
+        results = run(go(), timeout=280)
+    finally:
+        c.stop()
+    _check(prompts, results, max_tokens)
+
+
+def test_worker_dying_during_the_kv_exchange_rolls_back_and_loses_no_request(tmp_path):
+    c = _fault_cluster(tmp_path, env={"KUNSERVE_FAULT": "die_in_exchange:worker-1"})
+    prompts = _prompts(8, seed=4)
+    max_tokens = 32
+    try:
+        async def go():
+            progress: dict = {}
+            gen = asyncio.create_task(_generate_all(c, prompts, max_tokens, progress))
+            await _wait_tokens(progress, len(prompts), 2)
+            drop = await _drop_pair(c)
+            return drop, await gen
+
+        drop, results = run(go(), timeout=280)
+    finally:
+        c.stop()
+    assert not drop.completed and drop.rolled_back
+    assert "worker-1" in drop.error
+    _check(prompts, results, max_tokens)
