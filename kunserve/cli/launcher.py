@@ -117,13 +117,14 @@ class LocalCluster:
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.pop("KUNSERVE_CONFIG", None)  # the written file is the one truth for the children
         env[PARENT_PID_ENV] = str(os.getpid())
-        for c in self._plan():
-            fh = open(c.log_path, "ab")
-            c.proc = subprocess.Popen(c.argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=env)
-            fh.close()
-            self.children.append(c)
+        # Any failure (a later Popen, a log file that cannot be opened, Ctrl-C, a child that never gets
+        # healthy) stops every child started so far: nothing leaks.
         try:
+            for c in self._plan():
+                self.children.append(c)  # before Popen: stop() skips it while c.proc is None
+                with open(c.log_path, "ab") as fh:
+                    c.proc = subprocess.Popen(c.argv, stdout=fh, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, env=env)
             asyncio.run(self._wait_healthy(timeout_s, progress))
         except BaseException:
             self.stop()

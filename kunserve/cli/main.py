@@ -19,6 +19,7 @@ from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_p
 from kunserve.shared.config import ClusterConfig, ConfigError, load_config
 
 DEMO_PROMPT = "KunServe keeps tail latency flat when"
+STOP_POLL_S = 0.05
 
 
 def _load(args: argparse.Namespace) -> ClusterConfig:
@@ -75,10 +76,12 @@ def cmd_up(args: argparse.Namespace) -> None:
                   f"Status: [bold]kunctl --address {cfg.memory_manager.address} status[/]")
     if args.demo:
         console.print(f"\n[bold]Demo[/]: streaming {args.demo_tokens} tokens for the prompt {DEMO_PROMPT!r}")
+        # Ctrl-C / SIGTERM during the demo end the generation at once (the handlers above only set `stop`,
+        # which the generation watches) and then stop the cluster like Ctrl-C while serving does.
         code = _generate_to_terminal(cfg.dispatcher.address, client.make_request(
-            DEMO_PROMPT, max_tokens=args.demo_tokens, ignore_eos=True), as_json=False, timeout=120)
+            DEMO_PROMPT, max_tokens=args.demo_tokens, ignore_eos=True), as_json=False, timeout=120, stop=stop)
         if code or stop.is_set():
-            cluster.stop()
+            _stop_cluster(cluster, console)
             raise SystemExit(code)
     if args.exit_after_demo:
         cluster.stop()
@@ -90,20 +93,43 @@ def cmd_up(args: argparse.Namespace) -> None:
             if c.name not in reported:
                 reported.add(c.name)
                 console.print(f"[red]{c.name} exited with code {c.proc.returncode}[/]; last log lines:\n{c.log_tail(10)}")
+    _stop_cluster(cluster, console)
+
+
+def _stop_cluster(cluster: LocalCluster, console) -> None:
     console.print("Stopping...")
     codes = cluster.stop()
     console.print("Stopped: " + ", ".join(f"{k}={v}" for k, v in codes.items()))
 
 
 # -- generate ---------------------------------------------------------------------------------------------
-def _generate_to_terminal(address: str, request, *, as_json: bool, timeout: float | None) -> int:
-    async def run() -> client.GenerationResult:
+def _generate_to_terminal(address: str, request, *, as_json: bool, timeout: float | None,
+                          stop: threading.Event | None = None) -> int:
+    """Stream one generation; 0 on success, 1 on an RPC error, 130 when interrupted (Ctrl-C, or `stop`
+    set by a signal handler of the caller, which is checked every STOP_POLL_S)."""
+
+    async def run() -> client.GenerationResult | None:
         async with client.insecure_channel(address) as ch:
             def show(ev) -> None:
                 if not as_json and ev.text:
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()
-            return await client.generate(ch, request, timeout=timeout, on_event=show)
+            gen = asyncio.ensure_future(client.generate(ch, request, timeout=timeout, on_event=show))
+            if stop is None:
+                return await gen
+
+            async def stopped() -> None:
+                while not stop.is_set():
+                    await asyncio.sleep(STOP_POLL_S)
+
+            watcher = asyncio.ensure_future(stopped())
+            await asyncio.wait({gen, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            watcher.cancel()
+            if gen.done():
+                return gen.result()
+            gen.cancel()  # cancels the RPC: the dispatcher cancels it on the worker
+            await asyncio.gather(gen, watcher, return_exceptions=True)
+            return None
 
     try:
         res = asyncio.run(run())
@@ -111,6 +137,8 @@ def _generate_to_terminal(address: str, request, *, as_json: bool, timeout: floa
         print(f"\nkunserve: generate failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        res = None
+    if res is None:
         print("\nkunserve: interrupted", file=sys.stderr)
         return 130
     if as_json:

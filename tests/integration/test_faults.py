@@ -172,3 +172,39 @@ def test_kunserve_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
     assert proc.returncode == 0, rest
     stopped = [ln for ln in rest.splitlines() if ln.startswith("Stopped:")]
     assert stopped and all(part.endswith("=0") for part in stopped[0][len("Stopped: "):].split(", ")), rest
+
+
+def test_kunserve_up_ctrl_c_during_the_demo_stops_the_cluster(tmp_path):
+    """Ctrl-C while the demo generation streams ends it at once and stops every child cleanly."""
+    import os
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "kunserve.cli.main", "up", "--free-ports", "--run-dir",
+                             str(tmp_path), "--demo", "--demo-tokens", "1900"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "COLUMNS": "200"})
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Demo" in line:
+                break
+        assert any("Demo" in ln for ln in lines), "".join(lines)
+        time.sleep(1.0)  # the generation is streaming (1900 tokens take far longer)
+        interrupted = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - interrupted
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, rest
+    assert "interrupted" in rest and "Press Ctrl-C" not in rest and "finish:" not in rest, rest
+    stopped = [ln for ln in rest.splitlines() if ln.startswith("Stopped:")]
+    assert stopped and all(part.endswith("=0") for part in stopped[0][len("Stopped: "):].split(", ")), rest
+    assert took < 30, took
