@@ -191,6 +191,8 @@ def kv_flows(old: Sequence[UnitDef], new: Sequence[UnitDef], moves: Sequence[Seq
             continue
         if len(m.new_blocks) != len(m.old_blocks):
             raise TransitionError(f"request {m.request_id}: {len(m.old_blocks)} old blocks, {len(m.new_blocks)} new")
+        if m.old_unit not in old_by or m.new_unit not in new_by:
+            raise TransitionError(f"request {m.request_id}: unknown unit {m.old_unit!r} -> {m.new_unit!r}")
         ou, nu = old_by[m.old_unit], new_by[m.new_unit]
         for s in ou.members:
             for d in nu.members:

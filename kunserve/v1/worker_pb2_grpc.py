@@ -80,6 +80,11 @@ class WorkerStub:
                 request_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionSpec.SerializeToString,
                 response_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionDone.FromString,
                 _registered_method=True)
+        self.CommitTransition = channel.unary_unary(
+                '/kunserve.v1.Worker/CommitTransition',
+                request_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionRef.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionDone.FromString,
+                _registered_method=True)
         self.AbortTransition = channel.unary_unary(
                 '/kunserve.v1.Worker/AbortTransition',
                 request_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionRef.SerializeToString,
@@ -137,14 +142,22 @@ class WorkerServicer:
     def PrepareTransition(self, request, context):
         """Layout transitions (KunServe §4.1-§4.4), driven by the memory manager: merge instances into a
         pipeline group (drop) or split a group back (restore). Prepare pauses the worker and reports the
-        requests it owns; Execute exchanges their KV over UCX, remaps memory and resumes in the new
-        layout; Abort (before Execute) resumes the old layout unchanged.
+        requests it owns; Execute exchanges their KV over UCX, remaps memory and installs the new layout
+        (still paused); Commit, once every member executed, resumes it and hands moved requests' streams
+        over; Abort undoes: before Execute the old layout resumes unchanged, after it the worker heals to
+        a whole instance and keeps its own requests (re-prefilled).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ExecuteTransition(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitTransition(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -202,6 +215,11 @@ def add_WorkerServicer_to_server(servicer, server):
             'ExecuteTransition': grpc.unary_unary_rpc_method_handler(
                     servicer.ExecuteTransition,
                     request_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionSpec.FromString,
+                    response_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionDone.SerializeToString,
+            ),
+            'CommitTransition': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitTransition,
+                    request_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionRef.FromString,
                     response_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionDone.SerializeToString,
             ),
             'AbortTransition': grpc.unary_unary_rpc_method_handler(
@@ -452,6 +470,33 @@ class Worker:
             target,
             '/kunserve.v1.Worker/ExecuteTransition',
             kunserve_dot_v1_dot_worker__pb2.TransitionSpec.SerializeToString,
+            kunserve_dot_v1_dot_worker__pb2.TransitionDone.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitTransition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.Worker/CommitTransition',
+            kunserve_dot_v1_dot_worker__pb2.TransitionRef.SerializeToString,
             kunserve_dot_v1_dot_worker__pb2.TransitionDone.FromString,
             options,
             channel_credentials,

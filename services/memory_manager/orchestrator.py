@@ -282,8 +282,12 @@ class Orchestrator:
         # 3. execute
         done = await self._each(workers, lambda stub, _: stub.ExecuteTransition(spec, timeout=timeout))
         failed = {w: r for w, r in done.items() if isinstance(r, Exception)}
+        if not failed:  # 4. commit: every member resumes, moved streams are handed over
+            ref = worker_pb2.TransitionRef(epoch=epoch)
+            committed = await self._each(workers, lambda stub, _: stub.CommitTransition(ref, timeout=timeout))
+            failed = {w: r for w, r in committed.items() if isinstance(r, Exception)}
         if failed:
-            # Members that finished heal too (AbortTransition after Execute), so no half-formed group remains.
+            # Members that executed (or committed) heal too, so no half-formed group remains.
             await self._each(workers, lambda stub, _: stub.AbortTransition(worker_pb2.TransitionRef(epoch=epoch),
                                                                            timeout=timeout))
             await self.mm.refresh()

@@ -276,6 +276,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def ExecuteTransition(self, request: worker_pb2.TransitionSpec, context: grpc.aio.ServicerContext):
         return await self._transition(context, lambda t: t.execute(request))
 
+    async def CommitTransition(self, request: worker_pb2.TransitionRef, context: grpc.aio.ServicerContext):
+        return await self._transition(context, lambda t: t.commit(request.epoch))
+
     async def AbortTransition(self, request: worker_pb2.TransitionRef, context: grpc.aio.ServicerContext):
         return await self._transition(context, lambda t: t.abort(request.epoch))
 

@@ -94,6 +94,8 @@ class _Prepared:
     spec: worker_pb2.TransitionSpec
     snapshot: list[SeqSnapshot]
     executed: bool = False
+    moved_out: dict[str, str] = field(default_factory=dict)  # request id -> the worker it went to (at commit)
+    moved_in: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -187,35 +189,66 @@ class TransitionRunner:
             kv_blocks_after=after, kv_blocks_now=self.engine_loop.stats().kv_blocks_total)
 
     async def abort(self, epoch: int) -> worker_pb2.TransitionDone:
-        """Before Execute: resume the old layout unchanged. After this worker executed `epoch` into a group
-        while another member failed: leave the group (heal to a whole instance; requests re-prefill)."""
+        """Before Execute: resume the old layout unchanged. After Execute (not committed: another member
+        failed): heal to a whole instance keeping this worker's own requests (re-prefilled). After a
+        commit into a group: leave the group the same way."""
         p = self.prepared
-        if p is not None and p.spec.epoch == epoch and not p.executed:
+        if p is not None and p.spec.epoch == epoch:
+            if p.executed:
+                self.log.warning("transition_undone_healing", epoch=epoch)
+                await self._undo(p)
+                self.epoch = max(self.epoch, epoch)
+            else:
+                self.log.info("transition_aborted", epoch=epoch)
             self.prepared = None
             self.engine_loop.resume()
-            self.log.info("transition_aborted", epoch=epoch)
         elif p is None and self.epoch == epoch and self.role is not None:
             self.log.warning("transition_undone_healing", epoch=epoch)
             await self._on_engine(lambda engine: self._heal(engine))
         return self._done(epoch, TransitionStats())
 
+    async def _undo(self, p: _Prepared) -> None:
+        """Forget the requests that arrived, heal to a whole instance, keep the ones owned before."""
+        for rid in p.moved_in:
+            self.moved_in.pop(rid, None)
+            self.engine_loop.forget(rid)
+            self.streams.close(rid)
+        await self._on_engine(lambda engine: self._heal(engine, p.snapshot))
+
     async def execute(self, spec: worker_pb2.TransitionSpec) -> worker_pb2.TransitionDone:
         p = self.prepared
         if p is None or p.spec.epoch != spec.epoch:
             raise TransitionRefused("FAILED_PRECONDITION", f"transition {spec.epoch} was not prepared here")
+        if p.executed:
+            raise TransitionRefused("ALREADY_EXISTS", f"transition {spec.epoch} was executed already")
         p.executed = True
         stats = TransitionStats()
         try:
             await self._execute(spec, p, stats)
         except BaseException as exc:
             self.log.error("transition_failed_healing", epoch=spec.epoch, error=f"{type(exc).__name__}: {exc}")
-            await self._on_engine(lambda engine: self._heal(engine, p.snapshot))
+            await self._undo(p)
             self.epoch = spec.epoch
-            raise
-        finally:
             self.prepared = None
             self.engine_loop.resume()
+            raise
         return self._done(spec.epoch, stats)
+
+    async def commit(self, epoch: int) -> worker_pb2.TransitionDone:
+        """Every member executed: resume in the new layout; streams of requests that left end with moved_to
+        (their new head registered them during its Execute, so the dispatcher's attach finds them)."""
+        p = self.prepared
+        if p is None or p.spec.epoch != epoch or not p.executed:
+            raise TransitionRefused("FAILED_PRECONDITION", f"transition {epoch} was not executed here")
+        for rid, target in p.moved_out.items():
+            self.engine_loop.forget(rid)
+            self.streams._put(rid, Moved(target))
+        self.epoch = epoch
+        self.prepared = None
+        self.engine_loop.resume()
+        if self.role is not None and (self._watchdog is None or self._watchdog.done()):
+            self._watchdog = asyncio.get_running_loop().create_task(self._ping_members())
+        return self._done(epoch, TransitionStats())
 
     # -- the exchange -------------------------------------------------------------------------------------
     async def _execute(self, spec: worker_pb2.TransitionSpec, p: _Prepared, stats: TransitionStats) -> None:
@@ -290,10 +323,7 @@ class TransitionRunner:
 
         await self._on_engine(finish)
         stats.scatter_s = time.perf_counter() - t0
-        if self.role is not None and (self._watchdog is None or self._watchdog.done()):
-            self._watchdog = asyncio.get_running_loop().create_task(self._ping_members())
-        self._switch_streams(old_owned, {s.request.request_id for s in mine}, spec, new_units)
-        self.epoch = spec.epoch
+        self._switch_streams(p, old_owned, {s.request.request_id for s in mine}, spec, new_units)
         self.log.info("transition_done", epoch=spec.epoch, op=spec.op, unit=new_unit.unit_id,
                       layers=list(new_member.range), requests=len(mine), sent=stats.bytes_sent,
                       received=stats.bytes_received, remap_ms=round(stats.remap_s * 1e3, 2))
@@ -346,18 +376,18 @@ class TransitionRunner:
         self.stage.role = role if multi else None
         self.role = role if multi else None
 
-    def _switch_streams(self, old_owned: set[str], now_owned: set[str], spec, new_units: list[UnitDef]) -> None:
-        """Requests that left end their stream with moved_to; requests that arrived get a buffered stream
-        and an engine callback until the dispatcher attaches."""
+    def _switch_streams(self, p: _Prepared, old_owned: set[str], now_owned: set[str], spec,
+                        new_units: list[UnitDef]) -> None:
+        """Requests that arrived get a buffered stream and an engine callback until the dispatcher attaches;
+        requests that left are noted for the commit, which ends their streams with moved_to."""
         new_unit_of = {s.request_id: s.new_unit for s in spec.seqs}
         heads = {u.unit_id: u.head for u in new_units}
         for rid in old_owned - now_owned:
-            self.engine_loop.forget(rid)
-            target = heads.get(new_unit_of.get(rid, ""), "")
-            self.streams._put(rid, Moved(target))
+            p.moved_out[rid] = heads.get(new_unit_of.get(rid, ""), "")
         for rid in now_owned - old_owned:
             q = self.streams.open(rid) if rid not in self.streams else None
             if q is not None:
+                p.moved_in.append(rid)
                 self.moved_in[rid] = q
                 self.engine_loop.register(rid, lambda ev, rid=rid: self.streams.put_threadsafe(rid, ev))
                 asyncio.get_running_loop().call_later(self.timeout_s, self._expire_unattached, rid)

@@ -152,7 +152,7 @@ class Engine:
     # -- one iteration ----------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         """One iteration; returns the tokens it produced (finished requests have left already)."""
-        if not self.seqs:
+        if not self.seqs and not self._inflight:
             return []
         self.clock.begin_busy()
         try:

@@ -236,7 +236,9 @@ class Scheduler:
             if used >= budget or len(out) >= cfg.max_num_seqs:
                 break
             while not self._reserve(seq, 1):
-                victim = next((v for v in reversed(self.running) if id(v) not in self.pinned), None)
+                # newest first; never one in flight (pinned) nor one already in this step's batch
+                victim = next((v for v in reversed(self.running)
+                               if id(v) not in self.pinned and (v is seq or id(v) not in in_batch)), None)
                 if victim is None:
                     break  # everything newer is in flight: this decode waits for a result
                 self.preempt(victim)

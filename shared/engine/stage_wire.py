@@ -66,7 +66,16 @@ def decode(data: torch.Tensor, dtype: torch.dtype) -> tuple[StageBatch, torch.Te
     """Inverse of encode: (batch, hidden states [T, hidden] of `dtype`)."""
     if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() < 8:
         raise ValueError("a stage microbatch is a flat uint8 tensor")
+    try:
+        return _decode(data, dtype)
+    except (RuntimeError, IndexError, ValueError) as exc:
+        raise ValueError(f"malformed stage microbatch ({data.numel()} bytes): {exc}") from None
+
+
+def _decode(data: torch.Tensor, dtype: torch.dtype) -> tuple[StageBatch, torch.Tensor]:
     n = int(data[:8].view(_I64)[0])
+    if n < 6 or 8 + 8 * n > data.numel():
+        raise ValueError(f"metadata of {n} words does not fit")
     words = data[8:8 + 8 * n].view(_I64).tolist()
     mb_id, T, H, nd, npf, nr = words[:6]
     at = 6
@@ -85,5 +94,12 @@ def decode(data: torch.Tensor, dtype: torch.dtype) -> tuple[StageBatch, torch.Te
         prefills.append((row, cnt, ctx, words[at + 4:at + 4 + k]))
         at += 4 + k
     rows = None if nr < 0 else words[at:at + nr]
-    hidden = data[8 + 8 * n:].view(dtype).reshape(T, H)
+    if T < 0 or H < 0 or nd < 0 or npf < 0 or at + max(nr, 0) != n:
+        raise ValueError(f"inconsistent metadata (T={T}, hidden={H}, {nd} decodes, {npf} prefills, {nr} rows, "
+                         f"{n} words)")
+    payload = data[8 + 8 * n:]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if payload.numel() != T * H * itemsize:
+        raise ValueError(f"{payload.numel()} payload bytes for {T} x {H} {dtype} hidden states")
+    hidden = payload.view(dtype).reshape(T, H)
     return StageBatch(mb_id, positions, slot_b, slot_o, decodes, prefills, rows), hidden

@@ -221,10 +221,6 @@ def test_abort_while_in_flight_drops_the_result_and_frees_the_blocks():
     assert eng.allocator.num_used == 0 and not eng.scheduler.pinned and not link.outstanding
 
 
-@pytest.mark.xfail(strict=True, reason="Engine.step() returns [] at once when self.seqs is empty, but has_work() "
-                                       "stays True while a microbatch is in flight: after aborting the last "
-                                       "request during its microbatch the in-flight result is never collected "
-                                       "and step() is a no-op forever (EngineLoop busy-spins)")
 def test_abort_of_the_only_request_in_flight_lets_the_engine_go_idle():
     eng, link = make_group(2, 2)
     link.max_spontaneous = 0  # nothing runs on the stage until the head blocks for it
@@ -451,11 +447,6 @@ def test_scheduler_never_preempts_a_pinned_sequence():
     assert b.num_preemptions == 1 and [c.seq for c in chunks] == [a]
 
 
-@pytest.mark.xfail(strict=True, reason="Scheduler.schedule (shared/engine/scheduler.py, decode loop): when the "
-                                       "decoding sequence is itself pinned (a prefill chunk that left exactly one "
-                                       "token is in flight), the victim 'newest unpinned running sequence' can "
-                                       "be an OLDER sequence already scheduled in this step's batch; it is "
-                                       "preempted (blocks freed) yet its chunk stays in the result")
 def test_scheduler_never_returns_a_chunk_of_a_sequence_it_preempted():
     sched = Scheduler(BlockAllocator(3), 4)
     a = _running(sched, "a", 6, 5, [0, 1])  # decoding; position 5 fits in its second block
@@ -467,9 +458,6 @@ def test_scheduler_never_returns_a_chunk_of_a_sequence_it_preempted():
         assert ch.seq.block_table.capacity >= ch.start + ch.num_tokens
 
 
-@pytest.mark.xfail(strict=True, reason="same scheduler bug seen from the engine: the group head schedules a chunk of "
-                                       "the request it just preempted (empty block table) and Engine._build raises "
-                                       "IndexError (engine.py: slot_b.append(table[start // bs]))")
 def test_group_with_tiny_blocks_and_a_tight_cache():
     """Block size 4, prefill chunks of at most 5 tokens, a cache barely larger than the largest request: the
     head preempts often while microbatches are in flight."""
