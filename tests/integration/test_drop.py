@@ -183,3 +183,51 @@ def test_worker_dying_during_the_kv_exchange_rolls_back_and_loses_no_request(tmp
     assert not drop.completed and drop.rolled_back
     assert "worker-1" in drop.error
     _check(prompts, results, max_tokens)
+
+
+def test_a_burst_that_overflows_kv_memory_drops_automatically(tmp_path):
+    """The monitor sees head-of-line blocking on both instances, the memory manager merges them into one
+    pipeline group, and once the group is ready every request of the burst runs: none waits for memory
+    the drop made available (whole instance: 128 blocks each; the pair: 640 blocks; burst: ~320)."""
+    cfg = make_config(2, pool_mib=36, auto_drop=True)
+    cfg.monitor.restore_hold_s = 600.0  # no restore during the test
+    cfg.dispatcher.route_timeout_s = 60.0
+    c = LocalCluster(cfg, run_dir=tmp_path)
+    c.start(timeout_s=180)
+    prompts = _prompts(20, seed=5, lo=180, hi=220)
+    max_tokens = 48
+    try:
+        async def go():
+            from kunserve.v1 import worker_pb2_grpc
+
+            progress: dict = {}
+            gen = asyncio.create_task(_generate_all(c, prompts, max_tokens, progress))
+            waiting_after_ready = None
+            async with grpc.aio.insecure_channel(c.cfg.memory_manager.address) as ch:
+                mm = memory_manager_pb2_grpc.MemoryManagerStub(ch)
+                loop = asyncio.get_running_loop()
+                end = loop.time() + 120
+                group = None
+                while group is None and not gen.done():
+                    assert loop.time() < end, "no automatic drop"
+                    layout = await mm.GetLayout(common_pb2.Empty(), timeout=10)
+                    heads = [w for w in layout.workers if w.group_id != w.worker_id and w.serving]
+                    group = heads[0] if heads else None
+                    await asyncio.sleep(0.1)
+                assert group is not None, "the burst finished before any drop"
+                head_addr = next(w.address for w in c.cfg.workers if w.id == group.worker_id)
+                async with grpc.aio.insecure_channel(head_addr) as wch:
+                    stub = worker_pb2_grpc.WorkerStub(wch)
+                    for _ in range(100):  # the moved requests are installed at once; stragglers routed in
+                        s = await stub.GetStats(common_pb2.Empty(), timeout=10)
+                        if s.num_waiting == 0 or gen.done():
+                            waiting_after_ready = s.num_waiting
+                            break
+                        await asyncio.sleep(0.05)
+            return waiting_after_ready, await gen
+
+        waiting, results = run(go(), timeout=280)
+    finally:
+        c.stop()
+    assert waiting == 0
+    _check(prompts, results, max_tokens)
