@@ -49,10 +49,14 @@ def free_port() -> int:
 
 
 def assign_free_ports(cfg: ClusterConfig) -> None:
-    """Give every service an unused loopback port (tests and side-by-side clusters)."""
+    """Give every service an unused loopback port (tests and side-by-side clusters). Workers' UCX listeners
+    get one too: an ephemeral one picked at start-up could take a port assigned here to a service that
+    has not bound it yet."""
     for svc in [cfg.dispatcher, cfg.memory_manager, cfg.monitor, *cfg.workers]:
         svc.port = free_port()
         svc.host = "127.0.0.1"
+    for w in cfg.workers:
+        w.transfer_port = free_port()
 
 
 @dataclass
