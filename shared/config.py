@@ -101,6 +101,21 @@ class MonitorSection(ServiceSection):
     restore_cooldown_s: float = 30.0  # no restore this soon after a drop
 
 
+OVERLOAD_POLICIES = ("kunserve", "recompute", "swap", "migrate", "static-pp", "queue")
+
+
+@dataclass
+class PolicySection:
+    # How the cluster handles KV-memory overload (the headline comparison of `kunserve bench compare`):
+    #   kunserve  - parameter-centric: drop replicated layers into pipeline groups, restore after (KunServe)
+    #   recompute - vLLM's default: preempt the newest request, free its KV, re-prefill it later
+    #   swap      - InferCept-like: preempted requests' KV goes to host memory and comes back
+    #   migrate   - Llumnix-like: move running requests' KV from an overloaded instance to the freest one
+    #   static-pp - every instance holds half the layers from the start, pipelined in pairs
+    #   queue     - no preemption: a request starts only when its whole KV (prompt + max_tokens) fits
+    overload: str = "kunserve"
+
+
 @dataclass
 class SLOSection:
     ttft_ms: float = 5000.0
@@ -121,6 +136,7 @@ class ClusterConfig:
     monitor: MonitorSection = field(default_factory=MonitorSection)
     workers: list[WorkerSection] = field(default_factory=list)
     engine: EngineSection = field(default_factory=EngineSection)
+    policy: PolicySection = field(default_factory=PolicySection)
     slo: SLOSection = field(default_factory=SLOSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     source: str = "<defaults>"  # where it was loaded from, for messages
@@ -290,6 +306,9 @@ def validate(cfg: ClusterConfig) -> None:
         raise ConfigError(f"{src}: model.dtype must be float32, bfloat16 or float16, got {cfg.model.dtype!r}")
     if cfg.model.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"{src}: model.device must be auto, cpu or cuda, got {cfg.model.device!r}")
+    if cfg.policy.overload not in OVERLOAD_POLICIES:
+        raise ConfigError(f"{src}: policy.overload must be one of {', '.join(OVERLOAD_POLICIES)}, "
+                          f"got {cfg.policy.overload!r}")
     m = cfg.monitor
     if m.stats_interval_s <= 0 or m.policy_interval_s <= 0:
         raise ConfigError(f"{src}: monitor.stats_interval_s and monitor.policy_interval_s must be > 0")
