@@ -49,6 +49,12 @@ def memory_backend(setting: str, device: str) -> str:
     return "cuda" if device == "cuda" else "host"
 
 
+def preemption_mode(policy: str) -> str:
+    """How a worker's scheduler preempts under each overload policy: swap and queue have their own;
+    the others recompute (KunServe too, inside a unit, for what a drop cannot cover)."""
+    return {"swap": "swap", "queue": "none"}.get(policy, "recompute")
+
+
 def make_token_budget(cfg: ClusterConfig, *, model: str, dtype: str, layers: tuple[int, int], device: str,
                       threads: int) -> tuple[TokenBudget, str]:
     """The iteration token budget for this worker and a one-line reason (logged at start).
@@ -91,7 +97,8 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Pooled
             source, layer_range=(start, end), pool_bytes=e.pool_mib * MIB, page_size=e.page_kib * 1024,
             block_size=e.block_size, backend=memory_backend(e.memory_backend, device), device=device,
             scheduler_config=SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens,
-                                             max_num_seqs=e.max_num_seqs),
+                                             max_num_seqs=e.max_num_seqs,
+                                             preemption=preemption_mode(cfg.policy.overload)),
             keep_host_copy=e.host_copy)
     except MemoryPoolError as exc:
         raise WorkerBuildError(f"memory pool: {exc} (engine.pool_mib = {e.pool_mib}, page_kib = {e.page_kib})") from None

@@ -23,7 +23,7 @@ import torch
 
 from kunserve.shared.engine.accounting import BusyIdle, BusyIdleClock
 from kunserve.shared.engine.api import EngineRequest, EngineStats, FinishReason, InvalidRequest, TokenEvent
-from kunserve.shared.engine.kv_cache import BlockAllocator, BlockTable, KVStorage, TorchKVStorage
+from kunserve.shared.engine.kv_cache import BlockAllocator, BlockTable, KVStorage, TorchKVStorage, blocks_needed
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.sampler import sample
 from kunserve.shared.engine.stage_wire import StageBatch
@@ -101,6 +101,7 @@ class Engine:
         del cache  # never hold KV tensors across steps: the pool may remap them
         self.allocator = BlockAllocator(self.kv.num_blocks)
         self.scheduler = Scheduler(self.allocator, block_size, scheduler_config, budget)
+        self.scheduler.swapper = self  # used when scheduler_config.preemption == "swap"
         self.seqs: dict[str, Sequence] = {}
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
@@ -260,6 +261,23 @@ class Engine:
                                 [sampled[i].seq.request.sampling for i in live], [sampled[i].seq.generator for i in live])
                 events.extend(self._append(sampled[i].seq, tok) for i, tok in zip(live, tokens))
         return events
+
+    # -- swap preemption (InferCept-like baseline) -------------------------------------------------------
+    def swap_out(self, seq: Sequence) -> None:
+        """Copy the KV of seq's computed tokens to host memory (one tensor per layer), before its blocks
+        are freed. On a GPU this is a device-to-host copy on the critical path, as in a swapping server."""
+        n = blocks_needed(seq.num_computed, self.block_size)
+        ids = torch.tensor(seq.block_table.ids[:n], dtype=torch.long, device=self.device)
+        seq.swapped = [self.kv.layer_cache(layer).index_select(0, ids).to("cpu", copy=True)
+                       for layer in range(self.runner.start, self.runner.end)]
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Copy seq's host KV back into its (new) blocks."""
+        ids = torch.tensor(seq.block_table.ids[:len(seq.swapped[0])], dtype=torch.long, device=self.device)
+        for layer, data in zip(range(self.runner.start, self.runner.end), seq.swapped):
+            cache = self.kv.layer_cache(layer)
+            cache.index_copy_(0, ids, data.to(cache.device))
+        seq.swapped = None
 
     # -- layout transitions -----------------------------------------------------------------------------
     def snapshot(self) -> list[SeqSnapshot]:

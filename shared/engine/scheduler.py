@@ -63,6 +63,12 @@ class SchedulerConfig:
     # Admit a new request only while this fraction of blocks stays free after its chunk, so decodes
     # of running requests do not immediately preempt it (vLLM's watermark). Ignored when idle.
     admission_watermark: float = 0.01
+    # What happens to a running request when blocks run out (the KV-centric baselines of KunServe §5):
+    #   "recompute" (vLLM's default): free its KV, re-prefill prompt + generated tokens later;
+    #   "swap" (InferCept-like): copy its KV to host memory, copy it back when it is re-admitted;
+    #   "none" (queueing only): admit a request only when blocks for its whole life (prompt + max_tokens)
+    #   are free beside what running requests will still grow into, so nothing is ever preempted.
+    preemption: str = "recompute"
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -70,9 +76,21 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_prefill_chunk < 0:
             raise ValueError(f"max_prefill_chunk must be >= 0, got {self.max_prefill_chunk}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption!r}")
 
+
+PREEMPTION_MODES = ("recompute", "swap", "none")
 
 _arrival_counter = itertools.count()
+
+
+class Swapper(Protocol):
+    """Moves a preempted sequence's KV blocks to host memory and back (the engine implements it)."""
+
+    def swap_out(self, seq: "Sequence") -> None: ...
+
+    def swap_in(self, seq: "Sequence") -> None: ...
 
 
 @dataclass(eq=False)
@@ -88,6 +106,8 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     generator: Any = None  # the sampler's per-request torch.Generator (opaque here)
     num_preemptions: int = 0
+    swapped_tokens: int = 0  # swap preemption: tokens whose KV waits in host memory
+    swapped: Any = None      # the host copy (opaque here)
 
     def __post_init__(self) -> None:
         if self.order[1] < 0:
@@ -136,6 +156,8 @@ class Scheduler:
         # Pipeline groups: sequences with a microbatch in flight (id -> count) are never preempted
         # (their KV is being written on later stages and their sampled token is still to come).
         self.pinned: dict[int, int] = {}
+        self.swapper: Swapper | None = None  # set by the engine for preemption = "swap"
+        self.num_swapped_out = 0
 
     def pin(self, seq: Sequence) -> None:
         self.pinned[id(seq)] = self.pinned.get(id(seq), 0) + 1
@@ -185,8 +207,14 @@ class Scheduler:
         seq.num_computed = 0
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop its KV; it re-prefills prompt + generated tokens later."""
+        """Recompute preemption: drop its KV; it re-prefills prompt + generated tokens later. With
+        preemption = "swap" its computed KV is first copied to host memory (swapped back on re-admission)."""
         self.running.remove(seq)
+        if self.config.preemption == "swap" and self.swapper is not None and seq.num_computed > 0:
+            computed = seq.num_computed
+            self.swapper.swap_out(seq)
+            seq.swapped_tokens = computed
+            self.num_swapped_out += 1
         self._free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -258,6 +286,16 @@ class Scheduler:
             admitting = seq.num_computed == 0 and not seq.block_table
             if admitting and self.num_preemptions != preemptions_before:
                 break
+            if admitting and cfg.preemption == "none" and not self._fits_whole_life(seq):
+                break  # FCFS: it waits until its whole KV fits; nothing is ever preempted
+            if admitting and seq.swapped is not None:
+                if not self._swap_in(seq):
+                    break
+                admitting = False
+                self.waiting.remove(seq)
+                self._insert(self.running, seq)
+                if seq.remaining <= 0:
+                    continue
             n = min(seq.remaining, budget - used)
             if cfg.max_prefill_chunk:
                 n = min(n, cfg.max_prefill_chunk)
@@ -284,6 +322,28 @@ class Scheduler:
             shape.add(n, seq.num_computed)
             used += n
         return out
+
+    def _life_blocks(self, seq: Sequence) -> int:
+        r = seq.request
+        return blocks_needed(len(r.prompt_token_ids) + r.sampling.max_tokens - 1, self.block_size)
+
+    def _fits_whole_life(self, seq: Sequence) -> bool:
+        """Queue-only admission: blocks for its whole life fit beside the running requests' future growth."""
+        growth = sum(max(0, self._life_blocks(s) - len(s.block_table)) for s in self.running)
+        return self._life_blocks(seq) + growth <= self.allocator.num_free
+
+    def _swap_in(self, seq: Sequence) -> bool:
+        """Re-admit a swapped-out sequence: blocks for its saved KV, copied back from host memory."""
+        need = blocks_needed(seq.swapped_tokens, self.block_size)
+        keep_free = int(self.config.admission_watermark * self.allocator.num_blocks) if self.running else 0
+        if need + keep_free > self.allocator.num_free:
+            return False
+        seq.block_table.extend(self.allocator.allocate(need))
+        assert self.swapper is not None
+        self.swapper.swap_in(seq)
+        seq.num_computed = seq.swapped_tokens
+        seq.swapped_tokens = 0
+        return True
 
     def queued_demand_blocks(self) -> int:
         """KV blocks the waiting requests need to (re-)prefill: the router's and monitor's demand signal."""

@@ -28,7 +28,7 @@ class MixResult:
     steps: int
 
 
-def run_mix(cfg: ModelConfig, seed: int) -> MixResult:
+def run_mix(cfg: ModelConfig, seed: int, preemption: str = "recompute") -> MixResult:
     """One random mix: prompts (1..200 tokens), output lengths, staggered arrivals (requests added
     between steps), block size, token budget, prefill chunk cap, sequence cap and cache size (tight
     enough to force preemption in some mixes)."""
@@ -48,7 +48,7 @@ def run_mix(cfg: ModelConfig, seed: int) -> MixResult:
     num_blocks = need + (rng.randint(0, 3) if tight else total_need)
     eng = Engine(cfg, w, num_kv_blocks=num_blocks, block_size=block_size,
                  scheduler_config=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=rng.choice([2, 64]),
-                                                  max_prefill_chunk=chunk))
+                                                  max_prefill_chunk=chunk, preemption=preemption))
     arrivals = sorted(rng.randint(0, 12) for _ in range(n_req))
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(n_req)}
     step = added = 0
@@ -64,6 +64,10 @@ def run_mix(cfg: ModelConfig, seed: int) -> MixResult:
     assert eng.allocator.num_used == 0, "finished requests must free every block"
     assert all(len(got[f"r{i}"]) == outs[i] for i in range(n_req)), "every request runs to max_tokens"
     ties = sum(check_greedy(cfg, w, prompts[i], got[f"r{i}"]) for i in range(n_req))
+    if preemption == "none":
+        assert eng.scheduler.num_preemptions == 0, "queue-only admission never preempts"
+    if preemption == "swap":
+        assert eng.scheduler.num_swapped_out == eng.scheduler.num_preemptions
     return MixResult(n_req, ties, eng.scheduler.num_preemptions, step)
 
 
@@ -119,3 +123,12 @@ def test_preempted_request_continues_identically():
 def test_architecture_variants(cfg):
     r = run_mix(cfg, 7)
     assert r.near_ties <= 1
+
+
+@pytest.mark.parametrize("preemption", ["swap", "none"])
+def test_baseline_preemption_modes_match_the_reference(preemption):
+    """The KV-centric baselines in the same engine: swap (KV to host memory and back) and queue-only
+    admission keep the greedy tokens; swap really preempts in the tight mixes."""
+    results = [run_mix(SMALL, seed, preemption) for seed in range(16)]
+    if preemption == "swap":
+        assert sum(r.preemptions > 0 for r in results) >= 2, "the mixes must exercise swapping"
