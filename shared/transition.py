@@ -147,22 +147,45 @@ def unit_of(units: Iterable[UnitDef], worker_id: str) -> UnitDef:
     return _find(units, worker_id)
 
 
-def assign_tables(moves: Sequence[SeqMove], new_units: Sequence[UnitDef]) -> list[SeqMove]:
-    """Compact new block tables per new unit, in the order given (FCFS order is the caller's). Raises
-    TransitionError when a unit's requests need more blocks than its kv_blocks."""
+def assign_tables(moves: Sequence[SeqMove], new_units: Sequence[UnitDef],
+                  old_heads: dict[str, str] | None = None) -> list[SeqMove]:
+    """New block tables per new unit. Without `old_heads`: compact ids from 0 in the order given. With it
+    (old unit id -> its head worker): a request whose new unit has the same head keeps its ids when they fit
+    the unit's kv_blocks (its KV on that head then stays where it is: no copy), and the others get the
+    lowest ids left, in the order given. Raises TransitionError when a unit's requests need more blocks than
+    its kv_blocks."""
     by_id = {u.unit_id: u for u in new_units}
-    used: dict[str, int] = {u.unit_id: 0 for u in new_units}
-    out = []
+    taken: dict[str, set[int]] = {u.unit_id: set() for u in new_units}
+    kept: dict[str, tuple[int, ...]] = {}
     for m in moves:
         if m.new_unit not in by_id:
             raise TransitionError(f"request {m.request_id}: unknown new unit {m.new_unit!r}")
-        start = used[m.new_unit]
-        n = len(m.old_blocks)
-        used[m.new_unit] = start + n
-        out.append(SeqMove(m.request_id, m.old_unit, m.new_unit, m.old_blocks, tuple(range(start, start + n))))
-    for uid, n in used.items():
-        if n > by_id[uid].kv_blocks:
-            raise TransitionError(f"unit {uid}: its requests hold {n} KV blocks but it has {by_id[uid].kv_blocks}")
+        u = by_id[m.new_unit]
+        if (old_heads is not None and old_heads.get(m.old_unit) == u.head and m.old_blocks
+                and max(m.old_blocks) < u.kv_blocks and not taken[u.unit_id] & set(m.old_blocks)):
+            kept[m.request_id] = m.old_blocks
+            taken[u.unit_id].update(m.old_blocks)
+    out = []
+    cursor = {uid: 0 for uid in by_id}
+    for m in moves:
+        if m.request_id in kept:
+            out.append(SeqMove(m.request_id, m.old_unit, m.new_unit, m.old_blocks, m.old_blocks))
+            continue
+        ids = []
+        t = taken[m.new_unit]
+        c = cursor[m.new_unit]
+        while len(ids) < len(m.old_blocks):
+            if c not in t:
+                ids.append(c)
+            c += 1
+        cursor[m.new_unit] = c
+        t.update(ids)
+        out.append(SeqMove(m.request_id, m.old_unit, m.new_unit, m.old_blocks, tuple(ids)))
+    for uid, t in taken.items():
+        need = len(t)
+        top = max(t) + 1 if t else 0
+        if need > by_id[uid].kv_blocks or top > by_id[uid].kv_blocks:
+            raise TransitionError(f"unit {uid}: its requests hold {need} KV blocks but it has {by_id[uid].kv_blocks}")
     return out
 
 
@@ -199,6 +222,8 @@ def kv_flows(old: Sequence[UnitDef], new: Sequence[UnitDef], moves: Sequence[Seq
                 lo, hi = max(s.layer_start, d.layer_start), min(s.layer_end, d.layer_end)
                 if lo >= hi:
                     continue
+                if s.worker_id == d.worker_id and m.old_blocks == m.new_blocks:
+                    continue  # stays in place on this worker: nothing to copy
                 f = flows.setdefault((s.worker_id, d.worker_id), Flow(s.worker_id, d.worker_id))
                 f.parts.append(FlowPart(m.request_id, lo, hi, m.old_blocks, m.new_blocks))
     return flows

@@ -25,29 +25,31 @@ _sym_db = _symbol_database.Default()
 from kunserve.v1 import common_pb2 as kunserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kunserve/v1/memory_manager.proto\x12\x0bkunserve.v1\x1a\x18kunserve/v1/common.proto\"\"\n\x0cGroupMembers\x12\x12\n\nworker_ids\x18\x01 \x03(\t\"y\n\x0b\x44ropRequest\x12\x17\n\x0frequired_blocks\x18\x01 \x01(\x03\x12\x16\n\x0erequired_bytes\x18\x02 \x01(\x03\x12)\n\x06groups\x18\x03 \x03(\x0b\x32\x19.kunserve.v1.GroupMembers\x12\x0e\n\x06reason\x18\x04 \x01(\t\"]\n\x0cPlannedGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12*\n\x07members\x18\x02 \x03(\x0b\x32\x19.kunserve.v1.WorkerLayout\x12\x0f\n\x07\x63hanged\x18\x03 \x01(\x08\"\xc5\x01\n\rDropPlanReply\x12\x0b\n\x03met\x18\x01 \x01(\x08\x12\x18\n\x10\x61utoscale_needed\x18\x02 \x01(\x08\x12\x10\n\x08\x66\x61llback\x18\x03 \x01(\t\x12\x16\n\x0erequired_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x66reed_bytes\x18\x05 \x01(\x03\x12\x14\n\x0c\x66reed_blocks\x18\x06 \x01(\x03\x12)\n\x06groups\x18\x07 \x03(\x0b\x32\x19.kunserve.v1.PlannedGroup\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\"\"\n\x0eRestoreRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\xd0\x02\n\x10TransitionReport\x12\n\n\x02op\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tcompleted\x18\x03 \x01(\x08\x12\x13\n\x0brolled_back\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12)\n\x06groups\x18\x06 \x03(\x0b\x32\x19.kunserve.v1.PlannedGroup\x12\x16\n\x0erequests_moved\x18\x07 \x01(\x05\x12\x16\n\x0ekv_bytes_moved\x18\x08 \x01(\x03\x12\x14\n\x0cplan_seconds\x18\t \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\n \x01(\x01\x12\x18\n\x10\x65xchange_seconds\x18\x0b \x01(\x01\x12\x15\n\rremap_seconds\x18\x0c \x01(\x01\x12\x15\n\rtotal_seconds\x18\r \x01(\x01\x12\x18\n\x10\x61utoscale_needed\x18\x0e \x01(\x08\"\xaa\x01\n\x0cWorkerLayout\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x11\n\treachable\x18\x06 \x01(\x08\x12\x18\n\x10transfer_address\x18\x07 \x01(\t\x12\x0f\n\x07serving\x18\x08 \x01(\x08\"d\n\rClusterLayout\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x18\n\x10num_layers_model\x18\x02 \x01(\x05\x12*\n\x07workers\x18\x03 \x03(\x0b\x32\x19.kunserve.v1.WorkerLayout2\x96\x02\n\rMemoryManager\x12;\n\tGetLayout\x12\x12.kunserve.v1.Empty\x1a\x1a.kunserve.v1.ClusterLayout\x12@\n\x08PlanDrop\x12\x18.kunserve.v1.DropRequest\x1a\x1a.kunserve.v1.DropPlanReply\x12?\n\x04\x44rop\x12\x18.kunserve.v1.DropRequest\x1a\x1d.kunserve.v1.TransitionReport\x12\x45\n\x07Restore\x12\x1b.kunserve.v1.RestoreRequest\x1a\x1d.kunserve.v1.TransitionReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kunserve/v1/memory_manager.proto\x12\x0bkunserve.v1\x1a\x18kunserve/v1/common.proto\"H\n\x0eMigrateRequest\x12\x12\n\nsrc_worker\x18\x01 \x01(\t\x12\x12\n\ndst_worker\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x03\"\"\n\x0cGroupMembers\x12\x12\n\nworker_ids\x18\x01 \x03(\t\"y\n\x0b\x44ropRequest\x12\x17\n\x0frequired_blocks\x18\x01 \x01(\x03\x12\x16\n\x0erequired_bytes\x18\x02 \x01(\x03\x12)\n\x06groups\x18\x03 \x03(\x0b\x32\x19.kunserve.v1.GroupMembers\x12\x0e\n\x06reason\x18\x04 \x01(\t\"]\n\x0cPlannedGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12*\n\x07members\x18\x02 \x03(\x0b\x32\x19.kunserve.v1.WorkerLayout\x12\x0f\n\x07\x63hanged\x18\x03 \x01(\x08\"\xc5\x01\n\rDropPlanReply\x12\x0b\n\x03met\x18\x01 \x01(\x08\x12\x18\n\x10\x61utoscale_needed\x18\x02 \x01(\x08\x12\x10\n\x08\x66\x61llback\x18\x03 \x01(\t\x12\x16\n\x0erequired_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x66reed_bytes\x18\x05 \x01(\x03\x12\x14\n\x0c\x66reed_blocks\x18\x06 \x01(\x03\x12)\n\x06groups\x18\x07 \x03(\x0b\x32\x19.kunserve.v1.PlannedGroup\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\"\"\n\x0eRestoreRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\xd0\x02\n\x10TransitionReport\x12\n\n\x02op\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tcompleted\x18\x03 \x01(\x08\x12\x13\n\x0brolled_back\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12)\n\x06groups\x18\x06 \x03(\x0b\x32\x19.kunserve.v1.PlannedGroup\x12\x16\n\x0erequests_moved\x18\x07 \x01(\x05\x12\x16\n\x0ekv_bytes_moved\x18\x08 \x01(\x03\x12\x14\n\x0cplan_seconds\x18\t \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\n \x01(\x01\x12\x18\n\x10\x65xchange_seconds\x18\x0b \x01(\x01\x12\x15\n\rremap_seconds\x18\x0c \x01(\x01\x12\x15\n\rtotal_seconds\x18\r \x01(\x01\x12\x18\n\x10\x61utoscale_needed\x18\x0e \x01(\x08\"\xaa\x01\n\x0cWorkerLayout\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x11\n\treachable\x18\x06 \x01(\x08\x12\x18\n\x10transfer_address\x18\x07 \x01(\t\x12\x0f\n\x07serving\x18\x08 \x01(\x08\"d\n\rClusterLayout\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x18\n\x10num_layers_model\x18\x02 \x01(\x05\x12*\n\x07workers\x18\x03 \x03(\x0b\x32\x19.kunserve.v1.WorkerLayout2\xdd\x02\n\rMemoryManager\x12;\n\tGetLayout\x12\x12.kunserve.v1.Empty\x1a\x1a.kunserve.v1.ClusterLayout\x12@\n\x08PlanDrop\x12\x18.kunserve.v1.DropRequest\x1a\x1a.kunserve.v1.DropPlanReply\x12?\n\x04\x44rop\x12\x18.kunserve.v1.DropRequest\x1a\x1d.kunserve.v1.TransitionReport\x12\x45\n\x07Restore\x12\x1b.kunserve.v1.RestoreRequest\x1a\x1d.kunserve.v1.TransitionReport\x12\x45\n\x07Migrate\x12\x1b.kunserve.v1.MigrateRequest\x1a\x1d.kunserve.v1.TransitionReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kunserve.v1.memory_manager_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GROUPMEMBERS']._serialized_start=75
-  _globals['_GROUPMEMBERS']._serialized_end=109
-  _globals['_DROPREQUEST']._serialized_start=111
-  _globals['_DROPREQUEST']._serialized_end=232
-  _globals['_PLANNEDGROUP']._serialized_start=234
-  _globals['_PLANNEDGROUP']._serialized_end=327
-  _globals['_DROPPLANREPLY']._serialized_start=330
-  _globals['_DROPPLANREPLY']._serialized_end=527
-  _globals['_RESTOREREQUEST']._serialized_start=529
-  _globals['_RESTOREREQUEST']._serialized_end=563
-  _globals['_TRANSITIONREPORT']._serialized_start=566
-  _globals['_TRANSITIONREPORT']._serialized_end=902
-  _globals['_WORKERLAYOUT']._serialized_start=905
-  _globals['_WORKERLAYOUT']._serialized_end=1075
-  _globals['_CLUSTERLAYOUT']._serialized_start=1077
-  _globals['_CLUSTERLAYOUT']._serialized_end=1177
-  _globals['_MEMORYMANAGER']._serialized_start=1180
-  _globals['_MEMORYMANAGER']._serialized_end=1458
+  _globals['_MIGRATEREQUEST']._serialized_start=75
+  _globals['_MIGRATEREQUEST']._serialized_end=147
+  _globals['_GROUPMEMBERS']._serialized_start=149
+  _globals['_GROUPMEMBERS']._serialized_end=183
+  _globals['_DROPREQUEST']._serialized_start=185
+  _globals['_DROPREQUEST']._serialized_end=306
+  _globals['_PLANNEDGROUP']._serialized_start=308
+  _globals['_PLANNEDGROUP']._serialized_end=401
+  _globals['_DROPPLANREPLY']._serialized_start=404
+  _globals['_DROPPLANREPLY']._serialized_end=601
+  _globals['_RESTOREREQUEST']._serialized_start=603
+  _globals['_RESTOREREQUEST']._serialized_end=637
+  _globals['_TRANSITIONREPORT']._serialized_start=640
+  _globals['_TRANSITIONREPORT']._serialized_end=976
+  _globals['_WORKERLAYOUT']._serialized_start=979
+  _globals['_WORKERLAYOUT']._serialized_end=1149
+  _globals['_CLUSTERLAYOUT']._serialized_start=1151
+  _globals['_CLUSTERLAYOUT']._serialized_end=1251
+  _globals['_MEMORYMANAGER']._serialized_start=1254
+  _globals['_MEMORYMANAGER']._serialized_end=1603
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class MigrateRequest(_message.Message):
+    __slots__ = ("src_worker", "dst_worker", "blocks")
+    SRC_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DST_WORKER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    src_worker: str
+    dst_worker: str
+    blocks: int
+    def __init__(self, src_worker: _Optional[str] = ..., dst_worker: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
+
 class GroupMembers(_message.Message):
     __slots__ = ("worker_ids",)
     WORKER_IDS_FIELD_NUMBER: _ClassVar[int]

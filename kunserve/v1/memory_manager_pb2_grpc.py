@@ -55,6 +55,11 @@ class MemoryManagerStub:
                 request_serializer=kunserve_dot_v1_dot_memory__manager__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.TransitionReport.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/kunserve.v1.MemoryManager/Migrate',
+                request_serializer=kunserve_dot_v1_dot_memory__manager__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.TransitionReport.FromString,
+                _registered_method=True)
 
 
 class MemoryManagerServicer:
@@ -88,6 +93,14 @@ class MemoryManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """The Llumnix-like baseline (policy.overload = "migrate"): move running requests, with their KV, from
+        one whole instance to another to make room. The layout does not change; the epoch does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +122,11 @@ def add_MemoryManagerServicer_to_server(servicer, server):
             'Restore': grpc.unary_unary_rpc_method_handler(
                     servicer.Restore,
                     request_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.RestoreRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_memory__manager__pb2.TransitionReport.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.MigrateRequest.FromString,
                     response_serializer=kunserve_dot_v1_dot_memory__manager__pb2.TransitionReport.SerializeToString,
             ),
     }
@@ -219,6 +237,33 @@ class MemoryManager:
             target,
             '/kunserve.v1.MemoryManager/Restore',
             kunserve_dot_v1_dot_memory__manager__pb2.RestoreRequest.SerializeToString,
+            kunserve_dot_v1_dot_memory__manager__pb2.TransitionReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.MemoryManager/Migrate',
+            kunserve_dot_v1_dot_memory__manager__pb2.MigrateRequest.SerializeToString,
             kunserve_dot_v1_dot_memory__manager__pb2.TransitionReport.FromString,
             options,
             channel_credentials,

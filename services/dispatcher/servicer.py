@@ -82,6 +82,7 @@ class WorkerPool:
         self.router = FreenessRouter()
         self.log = get_logger()
         self._healthy: dict[str, bool] = {}
+        self._failed_at: dict[str, float] = {}  # when a request last saw the worker fail
         self._poll: asyncio.Future | None = None
 
     async def poll_once(self, timeout: float = POLL_TIMEOUT_S) -> None:
@@ -94,6 +95,8 @@ class WorkerPool:
                 if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     self.mark(wid, False)
                 return
+            if sent < self._failed_at.get(wid, -1.0):
+                return  # taken before a request saw this worker fail: stale, keep it unhealthy
             serving = serving_from_stats(s.serving, s.group_id, s.transitioning, s.layer_start, s.layer_end,
                                          s.num_layers_model)
             self.router.update(InstanceLoad(wid, s.kv_blocks_total, s.kv_blocks_used, s.queued_demand_blocks,
@@ -122,6 +125,11 @@ class WorkerPool:
             if healthy == len(self.stubs) or loop.time() >= deadline:
                 return healthy
             await asyncio.sleep(0.1)
+
+    def failed(self, wid: str) -> None:
+        """A request saw the worker fail (its stream broke): unhealthy until a poll sent after now answers."""
+        self._failed_at[wid] = time.monotonic()
+        self.mark(wid, False)
 
     def mark(self, wid: str, healthy: bool) -> None:
         if self._healthy.get(wid) != healthy:
@@ -300,7 +308,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             # fall back to a resume by re-prefill. Make sure a half-alive copy there is dropped first.
             failures.append(f"{wid}: attach failed: {code.name if code else 'ended'}: {details}")
             if code == grpc.StatusCode.UNAVAILABLE:
-                self.pool.mark(wid, False)
+                self.pool.failed(wid)
                 dead.add(wid)
             elif code != grpc.StatusCode.NOT_FOUND:
                 await self._cancel_on_worker(wid, rid)
@@ -319,7 +327,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                 await self._resume_or_give_up(record, wid, failures, context)
             return
         if code is None or code in _WORKER_FAILURE_CODES:
-            self.pool.mark(wid, False)
+            self.pool.failed(wid)
             dead.add(wid)
             failures.append(f"{wid}: {code.name if code else 'ENDED'}: {details}")
             if record.token_ids:

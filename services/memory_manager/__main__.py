@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> None:
 
         async def started() -> None:
             tasks.append(asyncio.create_task(mm.refresh_forever()))
+            if cfg.policy.overload == "static-pp":
+                # The static pipeline-parallel baseline: pairs hold half the layers each from the start.
+                # Formed before this service reports SERVING, so a started cluster is already in that layout.
+                await mm.orchestrator.form_static_pairs(timeout_s=cfg.memory_manager.transition_timeout_s)
 
         async def stopping() -> None:
             for t in tasks:

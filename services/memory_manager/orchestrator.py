@@ -212,6 +212,56 @@ class Orchestrator:
                          for g in groups for m in g.members]
             return await self._transition("restore", view, groups, new_units, t0)
 
+    async def form_static_pairs(self, timeout_s: float) -> memory_manager_pb2.TransitionReport | None:
+        """policy.overload = "static-pp": group the workers in pairs (in config order; an odd one out stays
+        whole), retrying until every worker answers or timeout_s passes."""
+        ids = [w for w in self.mm.worker_ids]
+        pairs = [ids[i:i + 2] for i in range(0, len(ids) - 1, 2)]
+        if not pairs:
+            return None
+        req = memory_manager_pb2.DropRequest(reason="static-pp", groups=[
+            memory_manager_pb2.GroupMembers(worker_ids=p) for p in pairs])
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                view = await self.view()
+                if all(w in view.infos for p in pairs for w in p):
+                    if all(len(u.members) == 2 for u in view.units if u.head in {p[0] for p in pairs}):
+                        return None  # already paired (a memory-manager restart)
+                    rep = await self.drop(req)
+                    if rep.completed:
+                        self.log.info("static_pairs_formed", groups=[list(p) for p in pairs], epoch=rep.epoch)
+                        return rep
+                    self.log.warning("static_pairs_failed", error=rep.error)
+            except OrchestrationError as exc:
+                self.log.warning("static_pairs_waiting", error=str(exc))
+            if time.monotonic() > deadline:
+                self.log.error("static_pairs_gave_up", timeout_s=timeout_s)
+                return None
+            await asyncio.sleep(0.5)
+
+    async def migrate(self, req: memory_manager_pb2.MigrateRequest) -> memory_manager_pb2.TransitionReport:
+        async with self._exclusive():
+            t0 = time.perf_counter()
+            view = await self.view()
+            units = []
+            for wid in (req.src_worker, req.dst_worker):
+                if wid not in self.mm.worker_ids:
+                    raise OrchestrationError("NOT_FOUND", f"no worker {wid!r} (known: {', '.join(sorted(self.mm.worker_ids))})")
+                u = next((u for u in view.units if wid in u.worker_ids), None)
+                if u is None:
+                    raise OrchestrationError("UNAVAILABLE", f"worker {wid} is not reachable")
+                if len(u.members) != 1:
+                    raise OrchestrationError("FAILED_PRECONDITION", f"worker {wid} is in group {u.unit_id}: "
+                                             "migration moves requests between whole instances")
+                units.append(u)
+            if req.src_worker == req.dst_worker:
+                raise OrchestrationError("INVALID_ARGUMENT", "src_worker and dst_worker must differ")
+            if req.blocks <= 0:
+                raise OrchestrationError("INVALID_ARGUMENT", "blocks: must be > 0")
+            return await self._transition("migrate", view, units, units, t0,
+                                          migrate=(req.src_worker, req.dst_worker, req.blocks))
+
     def _exclusive(self):
         orch = self
 
@@ -238,7 +288,7 @@ class Orchestrator:
         return dict(await asyncio.gather(*(one(w) for w in workers)))
 
     async def _transition(self, op: str, view: ClusterView, old_units: list[UnitDef], new_units: list[UnitDef],
-                          t0: float) -> memory_manager_pb2.TransitionReport:
+                          t0: float, migrate: tuple[str, str, int] | None = None) -> memory_manager_pb2.TransitionReport:
         epoch = max([self.mm.layout.epoch] + [i.epoch for i in view.infos.values()]) + 1
         self.running_epoch = epoch
         workers = sorted(w for u in old_units for w in u.worker_ids)
@@ -267,7 +317,12 @@ class Orchestrator:
         try:
             if op == "restore":
                 moves = assign_restore_targets(moves, capacity)
-            moves = assign_tables(moves, new_units)
+            if migrate is not None:
+                moves = self._choose_migrations(moves, seqs, capacity, *migrate)
+                if not any(m.new_unit != m.old_unit for m in moves):
+                    raise TransitionError(f"nothing to migrate: no running request on {migrate[0]} fits the free "
+                                          f"KV of {migrate[1]}")
+            moves = assign_tables(moves, new_units, old_heads=old_head)
         except TransitionError as exc:
             return await self._rollback(report, epoch, workers, {"planner": exc}, "plan", t0)
         by_rid = {m.request_id: m for m in moves}
@@ -299,7 +354,7 @@ class Orchestrator:
             return report
         ok = [done[w] for w in workers]
         report.completed = True
-        report.requests_moved = len(seqs)
+        report.requests_moved = sum(1 for s in seqs if s.new_unit != s.old_unit or op != "migrate")
         report.kv_bytes_moved = sum(d.bytes_sent for d in ok)
         report.exchange_seconds = max(d.exchange_seconds for d in ok)
         report.remap_seconds = max(d.remap_seconds for d in ok)
@@ -311,6 +366,25 @@ class Orchestrator:
         self.log.info("transition_done", op=op, epoch=epoch, requests=len(seqs), kv_bytes=report.kv_bytes_moved,
                       ms=round(report.total_seconds * 1e3, 1))
         return report
+
+    @staticmethod
+    def _choose_migrations(moves: list[SeqMove], seqs, capacity: dict[str, int], src: str, dst: str,
+                           blocks: int) -> list[SeqMove]:
+        """Llumnix-like choice: src's running requests, most recently arrived first, until `blocks` are freed,
+        as long as they fit beside what dst already holds."""
+        age = {s.request_id: s.age_s for s in seqs}
+        dst_free = capacity[dst] - sum(len(m.old_blocks) for m in moves if m.old_unit == dst)
+        chosen: set[str] = set()
+        freed = 0
+        for m in sorted((m for m in moves if m.old_unit == src and m.old_blocks), key=lambda m: age[m.request_id]):
+            if freed >= blocks:
+                break
+            if len(m.old_blocks) <= dst_free:
+                chosen.add(m.request_id)
+                dst_free -= len(m.old_blocks)
+                freed += len(m.old_blocks)
+        return [SeqMove(m.request_id, m.old_unit, dst if m.request_id in chosen else m.new_unit, m.old_blocks)
+                for m in moves]
 
     async def _rollback(self, report, epoch, workers, failed, step, t0):
         await self._each(workers, lambda stub, _: stub.AbortTransition(worker_pb2.TransitionRef(epoch=epoch),

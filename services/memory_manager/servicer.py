@@ -108,6 +108,9 @@ class MemoryManagerServicer(memory_manager_pb2_grpc.MemoryManagerServicer):
     async def Restore(self, request, context):
         return await self._orchestrate(context, self.mm.orchestrator.restore(request))
 
+    async def Migrate(self, request, context):
+        return await self._orchestrate(context, self.mm.orchestrator.migrate(request))
+
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, mm: MemoryManager) -> None:

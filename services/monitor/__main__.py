@@ -18,12 +18,14 @@ def main(argv: list[str] | None = None) -> None:
     async def amain() -> None:
         servicer = MonitorServicer(stale_after_s=cfg.monitor.stale_after_s)
         controller: OverloadController | None = None
-        if cfg.monitor.auto_drop:
+        policy = cfg.policy.overload
+        if cfg.monitor.auto_drop and policy in ("kunserve", "migrate"):
             controller = OverloadController(servicer.load, GrpcMemoryManager(cfg.memory_manager.address),
                                             overload_config_from(cfg.monitor),
-                                            interval_s=cfg.monitor.policy_interval_s)
+                                            interval_s=cfg.monitor.policy_interval_s,
+                                            mode="migrate" if policy == "migrate" else "drop")
         else:
-            log.info("auto_drop_disabled")
+            log.info("auto_drop_disabled", policy=policy, auto_drop=cfg.monitor.auto_drop)
 
         def register(server) -> None:
             monitor_pb2_grpc.add_MonitorServicer_to_server(servicer, server)

@@ -83,6 +83,11 @@ class GrpcMemoryManager:
         return await self._get_stub().Restore(memory_manager_pb2.RestoreRequest(group_id=group_id),
                                               timeout=self.restore_timeout_s)
 
+    async def migrate(self, src: str, dst: str, blocks: int) -> memory_manager_pb2.TransitionReport:
+        return await self._get_stub().Migrate(
+            memory_manager_pb2.MigrateRequest(src_worker=src, dst_worker=dst, blocks=blocks),
+            timeout=self.drop_timeout_s)
+
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()
@@ -116,9 +121,13 @@ class OverloadController:
 
     def __init__(self, load: ClusterLoad, mm: MemoryManagerActions, config: OverloadConfig | None = None, *,
                  interval_s: float = 0.2, backoff_s: float = 1.0, max_backoff_s: float = 30.0,
-                 settle_timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 settle_timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 mode: str = "drop") -> None:
         self.load = load
         self.mm = mm
+        # "drop": KunServe (drop on overload, restore on underload); "migrate": the Llumnix-like baseline
+        # (on overload, move requests with their KV from the overloaded instance to the freest one)
+        self.mode = mode
         self.policy = OverloadPolicy(config or OverloadConfig())
         self.interval_s = interval_s
         self.backoff_s = backoff_s
@@ -211,12 +220,36 @@ class OverloadController:
                           overloaded=list(decision.units), reason=decision.reason,
                           loads={uid: (loads[uid].used_blocks, loads[uid].queued_demand_blocks,
                                        loads[uid].total_blocks) for uid in decision.units if uid in loads})
-            await self._drop(decision)
+            if self.mode == "migrate":
+                await self._migrate(decision, loads)
+            else:
+                await self._drop(decision)
         elif decision.action == RESTORE:
             self.log.info("policy_restore_decided", groups=list(decision.units), reason=decision.reason,
                           loads={uid: (loads[uid].usage, loads[uid].undropped_total)
                                  for uid in decision.units if uid in loads})
             await self._restore(decision)
+
+    async def _migrate(self, decision: Decision, loads: dict) -> None:
+        free = {uid: u.total_blocks - u.used_blocks - u.queued_demand_blocks for uid, u in loads.items()
+                if u.members == 1 and uid not in decision.units}
+        dst = max(sorted(free), key=lambda uid: free[uid]) if free else None
+        if dst is None or free[dst] <= 0:
+            self._failed("migrate", "no instance with free KV to migrate to", overloaded=list(decision.units))
+            return
+        src = decision.units[0]
+        try:
+            rep = await self.mm.migrate(src, dst, min(decision.required_blocks, free[dst]))
+        except Exception as exc:
+            self._failed("migrate", _describe_error(exc))
+            return
+        if not rep.completed:
+            self._failed("migrate", rep.error or "not completed", rolled_back=rep.rolled_back, epoch=rep.epoch)
+            return
+        self.counters.drops += 1
+        self._succeeded(rep.epoch, {src, dst})
+        self.log.info("policy_migrate", src=src, dst=dst, epoch=rep.epoch, requests_moved=rep.requests_moved,
+                      kv_bytes_moved=rep.kv_bytes_moved, total_seconds=rep.total_seconds)
 
     async def _drop(self, decision: Decision) -> None:
         try:

@@ -328,6 +328,7 @@ class TransitionRunner:
                       layers=list(new_member.range), requests=len(mine), sent=stats.bytes_sent,
                       received=stats.bytes_received, remap_ms=round(stats.remap_s * 1e3, 2))
 
+    @torch.inference_mode()  # the KV views may be inference tensors (made during a forward)
     def _gather(self, engine: Engine, outgoing: dict[tuple[str, str], Flow]) -> dict[str, torch.Tensor]:
         out = {}
         for (_, dst), flow in outgoing.items():
@@ -341,6 +342,7 @@ class TransitionRunner:
         return out
 
     @staticmethod
+    @torch.inference_mode()
     def _scatter(engine: Engine, flow: Flow, data: torch.Tensor) -> None:
         at = 0
         for part in flow.parts:

@@ -263,6 +263,7 @@ class Engine:
         return events
 
     # -- swap preemption (InferCept-like baseline) -------------------------------------------------------
+    @torch.inference_mode()  # the KV views may be inference tensors (made during a forward)
     def swap_out(self, seq: Sequence) -> None:
         """Copy the KV of seq's computed tokens to host memory (one tensor per layer), before its blocks
         are freed. On a GPU this is a device-to-host copy on the critical path, as in a swapping server."""
@@ -271,6 +272,7 @@ class Engine:
         seq.swapped = [self.kv.layer_cache(layer).index_select(0, ids).to("cpu", copy=True)
                        for layer in range(self.runner.start, self.runner.end)]
 
+    @torch.inference_mode()
     def swap_in(self, seq: Sequence) -> None:
         """Copy seq's host KV back into its (new) blocks."""
         ids = torch.tensor(seq.block_table.ids[:len(seq.swapped[0])], dtype=torch.long, device=self.device)

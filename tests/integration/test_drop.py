@@ -231,3 +231,54 @@ def test_a_burst_that_overflows_kv_memory_drops_automatically(tmp_path):
         c.stop()
     assert waiting == 0
     _check(prompts, results, max_tokens)
+
+
+# -- the baselines that share the machinery --------------------------------------------------------------
+
+
+def test_migrate_moves_running_requests_with_their_kv(cluster4):
+    """The Llumnix-like baseline: requests move (KV and all) from one whole instance to another mid-decode
+    and keep their reference tokens."""
+    prompts = _prompts(10, seed=6)
+    max_tokens = 40
+
+    async def go():
+        progress: dict = {}
+        gen = asyncio.create_task(_generate_all(cluster4, prompts, max_tokens, progress))
+        await _wait_tokens(progress, len(prompts), 3)
+        async with grpc.aio.insecure_channel(cluster4.cfg.memory_manager.address) as ch:
+            mm = memory_manager_pb2_grpc.MemoryManagerStub(ch)
+            rep = await mm.Migrate(memory_manager_pb2.MigrateRequest(src_worker="worker-0", dst_worker="worker-1",
+                                                                     blocks=1000), timeout=120)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await mm.Migrate(memory_manager_pb2.MigrateRequest(src_worker="worker-0", dst_worker="worker-0",
+                                                                   blocks=1), timeout=30)
+        return rep, e.value.code(), await gen
+
+    rep, bad, results = run(go(), timeout=280)
+    assert rep.completed, rep.error
+    assert rep.requests_moved > 0 and rep.kv_bytes_moved > 0
+    assert bad == grpc.StatusCode.INVALID_ARGUMENT
+    _check(prompts, results, max_tokens)
+
+
+def test_static_pp_serves_from_pairs_formed_at_start(tmp_path):
+    cfg = make_config(2)
+    cfg.policy.overload = "static-pp"
+    c = LocalCluster(cfg, run_dir=tmp_path)
+    c.start(timeout_s=180)
+    prompts = _prompts(6, seed=7)
+    try:
+        async def go():
+            async with grpc.aio.insecure_channel(c.cfg.memory_manager.address) as ch:
+                await asyncio.sleep(0.3)
+                layout = await memory_manager_pb2_grpc.MemoryManagerStub(ch).GetLayout(common_pb2.Empty(), timeout=10)
+            return layout, await _generate_all(c, prompts, 24, {})
+
+        layout, results = run(go())
+    finally:
+        c.stop()
+    assert {w.worker_id: (w.layer_start, w.layer_end) for w in layout.workers} == {"worker-0": (0, 2),
+                                                                                   "worker-1": (2, 4)}
+    assert all(r.worker_id == "worker-0" for r in results)  # the pair's head serves
+    _check(prompts, results, 24)

@@ -158,3 +158,27 @@ def test_worker_instance_on_the_cuda_pool():
         compare_greedy(generate(inst, "g2", 12), ref, margins)
     finally:
         inst.close()
+
+
+def test_swap_preemption_in_the_pool_keeps_the_reference_tokens():
+    """The swap baseline on the real pool: a cache too small for all requests at once swaps KV out to host
+    memory and back (the pool's KV views are made inside forward passes) and the tokens stay the same."""
+    from kunserve.shared.engine.scheduler import SchedulerConfig
+
+    src = load_model_source(None)
+    # 24 MiB pool with 256 KiB pages: fill most of the KV with a padding request's worth of capacity
+    i = PooledInstance(src, layer_range=(0, 4), pool_bytes=24 * MIB, page_size=256 * 1024, block_size=16,
+                       backend="host", scheduler_config=SchedulerConfig(max_num_batched_tokens=64, preemption="swap"))
+    try:
+        blocks = i.engine.allocator.num_blocks
+        n = 6
+        per = (blocks * 16) // (n - 2) - 24  # n requests whose whole lives cannot all fit at once
+        prompts = [[(7 * k + j) % 4000 + 4 for j in range(per)] for k in range(n)]
+        out = i.engine.generate([EngineRequest(f"s{k}", p, SamplingParams(max_tokens=24, ignore_eos=True))
+                                 for k, p in enumerate(prompts)])
+        assert i.engine.scheduler.num_swapped_out > 0
+        for k, p in enumerate(prompts):
+            ref, margins = reference_greedy(i.cfg, src.load_weights(), p, 24)
+            compare_greedy(out[f"s{k}"], ref, margins)
+    finally:
+        i.close()

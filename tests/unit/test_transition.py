@@ -84,7 +84,8 @@ def test_restore_targets_and_flows():
     assert flows["A", "A"].parts == [FlowPart("r2", 0, 2, (1, 2, 3), (0, 1, 2)), FlowPart("r4", 0, 2, (6,), (3,))]
     assert flows["B", "A"].parts == [FlowPart("r2", 2, 4, (1, 2, 3), (0, 1, 2)), FlowPart("r4", 2, 4, (6,), (3,))]
     assert flows["A", "B"].parts == [FlowPart("r1", 0, 2, (0,), (0,)), FlowPart("r3", 0, 2, (4, 5), (1, 2))]
-    assert flows["B", "B"].parts == [FlowPart("r1", 2, 4, (0,), (0,)), FlowPart("r3", 2, 4, (4, 5), (1, 2))]
+    # r1 keeps block 0 on B: a part that would copy it onto itself is left out
+    assert flows["B", "B"].parts == [FlowPart("r3", 2, 4, (4, 5), (1, 2))]
     assert all(p.request_id != "r5" for f in flows.values() for p in f.parts)  # a waiting request moves no KV
 
 
@@ -278,10 +279,30 @@ def test_every_layer_of_every_request_moves_exactly_once(t):
             assert d.layer_start <= p.layer_start < p.layer_end <= d.layer_end
             for layer in range(p.layer_start, p.layer_end):
                 seen[p.request_id, layer] = seen.get((p.request_id, layer), 0) + 1
-    want = {(m.request_id, layer) for m in tabled if m.old_blocks for layer in range(num_layers)}
+    def stays(m, layer: int) -> bool:  # held by the same worker before and after, at the same ids: no copy
+        s = next(x for x in old_by[m.old_unit].members if x.layer_start <= layer < x.layer_end)
+        d = next(x for x in new_by[m.new_unit].members if x.layer_start <= layer < x.layer_end)
+        return s.worker_id == d.worker_id and m.old_blocks == m.new_blocks
+
+    want = {(m.request_id, layer) for m in tabled if m.old_blocks for layer in range(num_layers)
+            if not stays(m, layer)}
     assert set(seen) == want
     assert all(c == 1 for c in seen.values())
     # compact tables: per new unit the new ids are exactly 0..n-1
     for u in new:
         ids = sorted(b for m in tabled if m.new_unit == u.unit_id for b in m.new_blocks)
         assert ids == list(range(len(ids)))
+
+
+def test_requests_staying_with_their_head_keep_their_block_ids():
+    """With old_heads, a request whose new unit has its old head keeps its ids (its KV on the head stays
+    put); the others get the lowest free ids; a kept id beyond the unit's capacity is not kept."""
+    old = [UnitDef("A", (Member("A", 0, 4),)), UnitDef("B", (Member("B", 0, 4),))]
+    new = [UnitDef("A+B", (Member("A", 0, 2), Member("B", 2, 4)), kv_blocks=8)]
+    moves = [SeqMove("a1", "A", "A+B", (0, 1)), SeqMove("b1", "B", "A+B", (0, 1, 2)), SeqMove("a2", "A", "A+B", (2,)),
+             SeqMove("a3", "A", "A+B", (9,))]
+    got = {m.request_id: m.new_blocks for m in assign_tables(moves, new, old_heads={"A": "A", "B": "B"})}
+    assert got["a1"] == (0, 1) and got["a2"] == (2,)
+    assert got["b1"] == (3, 4, 5) and got["a3"] == (6,)
+    flows = kv_flows(old, new, [m for m in assign_tables(moves, new, old_heads={"A": "A", "B": "B"})])
+    assert ("A", "A") in flows and [p.request_id for p in flows["A", "A"].parts] == ["a3"]
