@@ -12,6 +12,7 @@ import ctypes
 import dataclasses
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -42,8 +43,37 @@ def die_with_parent_if_asked() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """An unused loopback port *outside* the kernel's ephemeral range: a port there, free when checked, can be
+    taken by any outgoing connection (some service's client socket) before its service binds it — seen as a
+    worker that never came up. Ports this process already handed out are not reused."""
+    lo, hi = _ephemeral_range()
+    ranges = [r for r in ((10000, min(lo, 30000)), (max(hi + 1, 61000), 65535)) if r[1] - r[0] > 100]
+    rng = random.Random()
+    for _ in range(200):
+        a, b = rng.choice(ranges) if ranges else (1024, 65535)
+        port = rng.randrange(a, b)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # everything busy: let the kernel pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

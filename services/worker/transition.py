@@ -44,6 +44,7 @@ from .group import GroupRole, StageRunner, UcxPipelineLink
 
 FAULT_ENV = "KUNSERVE_FAULT"
 PING = "ping"
+LEAVE = "leave"
 
 
 def _fault_point(name: str, worker_id: str) -> None:
@@ -128,7 +129,7 @@ class TransitionRunner:
         self.loop: asyncio.AbstractEventLoop | None = None
         engine_loop.on_group_broken = self._heal_on_engine_thread
         svc.on_peer_lost(self._peer_lost)
-        svc.on_message(CONTROL, lambda msg: None)  # liveness pings: arriving is all they do
+        svc.on_message(CONTROL, self._on_control)  # liveness pings (arriving is all they do) and "leave"
         self._watchdog: asyncio.Task | None = None
 
     # -- state ------------------------------------------------------------------------------------------
@@ -435,8 +436,24 @@ class TransitionRunner:
         engine.sync_kv_capacity()
 
     def _heal_on_engine_thread(self, engine: Engine, exc: GroupBroken) -> None:
+        role = self.role
         self._heal(engine)
         self.log.warning("healed_to_whole_instance", reason=str(exc), requests=len(engine.seqs))
+        if role is not None and self.loop is not None:  # tell the stages, which may be alive (a timeout)
+            self.loop.call_soon_threadsafe(self._tell_members_we_left, role)
+
+    def _tell_members_we_left(self, role: GroupRole) -> None:
+        for peer in role.members:
+            if peer != self.worker_id:
+                try:
+                    self.svc.submit(peer, CONTROL, torch.zeros(1, dtype=torch.uint8), name=LEAVE, epoch=role.epoch)
+                except (TransferError, RuntimeError):
+                    pass  # gone already
+
+    def _on_control(self, msg) -> None:
+        role = self.role
+        if msg.header.name == LEAVE and role is not None and msg.header.epoch == role.epoch and msg.peer in role.members:
+            self._peer_lost(msg.peer, "it left the group")
 
     def _peer_lost(self, peer: str, error) -> None:
         role = self.role
@@ -449,13 +466,16 @@ class TransitionRunner:
             self._stage_failed(why)
 
     def _stage_failed(self, why: str) -> None:
-        """A later stage heals itself (it owns no requests); its head notices through the link."""
+        """A later stage heals itself (it owns no requests) and tells the other members, so its head breaks
+        the group at once instead of waiting for a result that will never come."""
         if self.role is None or self.role.is_head:
             return
         self.log.warning("stage_leaving_group", reason=why)
+        role = self.role
         self.role = None
         self.stage.role = None
         self.engine_loop.call(lambda engine: self._heal(engine))
+        self._tell_members_we_left(role)
 
     # -- helpers ------------------------------------------------------------------------------------------
     async def _connect_peers(self, units: list[UnitDef]) -> None:

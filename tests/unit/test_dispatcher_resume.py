@@ -466,3 +466,19 @@ def test_worker_process_gone_mid_stream_resumes():
             assert res.worker_id == "worker-1"
 
     run(scenario())
+
+
+def test_a_poll_sent_before_a_failure_does_not_revive_the_worker():
+    async def scenario():
+        async with FakeCluster(1) as fc:
+            fc.poller.cancel()
+            fc.workers["worker-0"].stats_delay = 0.3
+            poll = asyncio.create_task(fc.pool.refresh())
+            await asyncio.sleep(0.1)
+            fc.pool.failed("worker-0")  # a request saw its stream break meanwhile
+            await poll
+            assert not fc.pool.router.instances["worker-0"].healthy
+            await fc.pool.refresh()  # sent after the failure: it answers, so it is alive again
+            assert fc.pool.router.instances["worker-0"].healthy
+
+    run(scenario())
