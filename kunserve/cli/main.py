@@ -210,9 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _register_extra_commands(sub) -> None:
     """Later subcommands (bench, profile) register here without touching the core parser."""
-    from kunserve.cli import profile
+    from kunserve.cli import bench, profile
 
     profile.register(sub)
+    bench.add_bench_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> None:

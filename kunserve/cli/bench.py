@@ -1,0 +1,456 @@
+"""`kunserve bench run` and `kunserve bench compare`: replay a bursty trace and measure what users feel.
+
+`run` replays a trace against a cluster that is already up (any policy) and writes result.json plus
+ttft_timeline.png and latency_cdf.png. `compare` starts a fresh local cluster per overload policy (same
+config, trace and prompt seed), runs the same replay on each, prints one comparison table and writes
+compare.json and compare.png — the headline comparison of KunServe §5 in the same system.
+
+Errors are one line on stderr (exit 1); Ctrl-C writes what was measured so far and exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import platform
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_ports, with_workers
+from kunserve.cli.replay import ClusterUnreachable, ReplayOutcome, drop_periods, replay
+from kunserve.shared.benchstats import RequestResult, best_p50, summarize
+from kunserve.shared.config import OVERLOAD_POLICIES, ClusterConfig, ConfigError, load_config
+from kunserve.shared.trace import (LENGTH_PROFILES, Burst, TraceError, TraceRequest, describe, generate_trace,
+                                   load_burstgpt_csv, save_trace_csv, upscale)
+
+RESULT_VERSION = 1
+# Defaults sized for the embedded tiny model on a 2-core CPU with 2 workers and a 36 MiB pool (~2k tokens of
+# KV per whole instance): a light base load, then a 6x burst for 4 s that overflows KV memory.
+DEFAULT_RATE = 1.0
+DEFAULT_DURATION_S = 24.0
+DEFAULT_BURST = "6:4:8"
+DEFAULT_LENGTH_SCALE = 0.25
+DEFAULT_MAX_PROMPT = 512
+DEFAULT_MAX_OUTPUT = 192
+COMPARE_POOL_MIB = 36
+TARGETS = {"ttft_p99_vs_recompute": 10.0, "ttft_p99_vs_swap": 10.0, "ttft_p99_vs_migrate": 5.0,
+           "tpot_p50_penalty_max": 0.25}
+
+
+class BenchError(Exception):
+    """A user-facing problem: printed as one line, exit 1."""
+
+
+# -- trace ---------------------------------------------------------------------------------------------------
+def parse_burst(text: str) -> Burst:
+    try:
+        start, duration, factor = (float(x) for x in text.split(":"))
+        return Burst(start_s=start, duration_s=duration, factor=factor)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--burst takes START:DURATION:FACTOR (e.g. 6:4:8), got {text!r}"
+                                         f"{': ' + str(exc) if ':' in text and text.count(':') == 2 else ''}") from None
+
+
+def build_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], dict]:
+    """The trace the arguments describe, and a JSON-able description of where it came from."""
+    if args.trace:
+        trace, skipped = load_burstgpt_csv(args.trace, model=args.trace_model, log_type=args.trace_log_type,
+                                           limit=args.limit)
+        source = {"kind": "burstgpt_csv", "path": str(args.trace), "skipped_rows": skipped}
+        if args.length_scale != 1.0 or args.max_prompt or args.max_output:
+            from kunserve.shared.trace import scale_lengths
+
+            trace = scale_lengths(trace, args.length_scale, max_prompt=args.max_prompt, max_output=args.max_output)
+    else:
+        try:
+            trace = generate_trace(rate=args.rate, cv=args.cv, duration_s=args.duration, profile=args.profile,
+                                   seed=args.seed, scale=args.length_scale, burst=args.burst,
+                                   max_prompt=args.max_prompt, max_output=args.max_output)
+        except ValueError as exc:
+            raise BenchError(f"bad trace parameters: {exc}") from None
+        source = {"kind": "gamma", "rate": args.rate, "cv": args.cv, "duration_s": args.duration,
+                  "profile": args.profile, "burst": None if args.burst is None else vars(args.burst)}
+        if args.limit:
+            trace = trace[: args.limit]
+    if args.upscale != 1.0:
+        try:
+            trace = upscale(trace, args.upscale, seed=args.seed)
+        except ValueError as exc:
+            raise BenchError(f"bad --upscale: {exc}") from None
+        source["upscale"] = args.upscale
+    source.update(seed=args.seed, length_scale=args.length_scale, max_prompt=args.max_prompt,
+                  max_output=args.max_output)
+    if not trace:
+        raise BenchError("the trace is empty: nothing to replay")
+    if args.save_trace:
+        save_trace_csv(trace, args.save_trace)
+    return trace, source
+
+
+# -- one replay ------------------------------------------------------------------------------------------------
+def _progress(total: int, label: str):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                    TimeElapsedColumn(), transient=False)
+
+
+def replay_with_progress(trace: Sequence[TraceRequest], address: str, admin_address: str | None, *, label: str,
+                         seed: int, timeout_s: float, stop_flag: list[bool]) -> ReplayOutcome:
+    """Run `replay` under a rich progress bar; `stop_flag[0]` turning True (a signal handler) interrupts."""
+    progress = _progress(len(trace), label)
+    task = progress.add_task(label, total=len(trace), info="")
+    failed = [0]
+
+    def done(r: RequestResult) -> None:
+        failed[0] += not r.ok
+        progress.update(task, advance=1, info=f"failed {failed[0]}" if failed[0] else "")
+
+    async def main() -> ReplayOutcome:
+        stop = asyncio.Event()
+
+        async def watch() -> None:
+            while not stop_flag[0]:
+                await asyncio.sleep(0.1)
+            stop.set()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await replay(trace, address, admin_address=admin_address, seed=seed, timeout_s=timeout_s,
+                                stop=stop, on_done=done)
+        finally:
+            watcher.cancel()
+
+    with progress:
+        return asyncio.run(main())
+
+
+def run_record(outcome: ReplayOutcome, *, policy: str, trace_source: dict, trace: Sequence[TraceRequest],
+               cluster: dict, reference_ttft_p50: float | None = None,
+               reference_tpot_p50: float | None = None) -> dict:
+    """The JSON document of one replay (also the input of the plots)."""
+    return {
+        "version": RESULT_VERSION,
+        "policy": policy,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": {"machine": platform.machine(), "python": platform.python_version(), "node": platform.node()},
+        "cluster": cluster,
+        "trace": {"source": trace_source, **describe(trace)},
+        "interrupted": outcome.interrupted,
+        "not_sent": outcome.not_sent,
+        "summary": summarize(outcome.results, outcome.duration_s, reference_ttft_p50=reference_ttft_p50,
+                             reference_tpot_p50=reference_tpot_p50),
+        "layout_changes": _layout_changes(outcome),
+        "drop_periods": drop_periods(outcome.samples),
+        "samples": [s.to_dict() for s in outcome.samples],
+        "requests": [r.to_dict() for r in outcome.results],
+    }
+
+
+def _layout_changes(outcome: ReplayOutcome) -> int:
+    epochs = [s.epoch for s in outcome.samples]
+    return sum(1 for a, b in zip(epochs, epochs[1:]) if b != a)
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else (f"{x * 1000:.0f}" if x >= 0.1 else f"{x * 1000:.1f}")
+
+
+def _interrupt_flag() -> list[bool]:
+    """SIGINT / SIGTERM set the flag (the replay stops and what it measured is written) instead of raising."""
+    flag = [False]
+
+    def handler(*_):
+        if flag[0]:  # a second Ctrl-C: stop waiting for cancellations
+            raise KeyboardInterrupt
+        flag[0] = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    return flag
+
+
+def _out_dir(args: argparse.Namespace, kind: str) -> Path:
+    if args.out:
+        return Path(args.out)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("kunserve-bench") / f"{kind}-{stamp}"
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from kunserve.cli.benchplot import plot_run
+
+    console = Console(highlight=False)
+    trace, source = build_trace(args)
+    address, admin = _addresses(args)
+    out = _out_dir(args, "run")
+    console.print(f"Replaying {len(trace)} requests over {trace[-1].arrival_s:.1f} s against {address} "
+                  f"(policy label: {args.policy}) -> {out}")
+    stop_flag = _interrupt_flag()
+    outcome = replay_with_progress(trace, address, admin, label=args.policy, seed=args.seed,
+                                   timeout_s=args.request_timeout, stop_flag=stop_flag)
+    doc = run_record(outcome, policy=args.policy, trace_source=source, trace=trace,
+                     cluster={"dispatcher": address, "admin": admin})
+    _write_json(out / "result.json", doc)
+    plots = plot_run(doc, out)
+    render_table(console, {args.policy: doc})
+    console.print(f"wrote {out / 'result.json'}, " + ", ".join(str(p) for p in plots))
+    if outcome.interrupted:
+        console.print(f"[yellow]interrupted[/]: {len(outcome.results)} requests measured, {outcome.not_sent} not sent")
+        return 130
+    return 0
+
+
+def _addresses(args: argparse.Namespace) -> tuple[str, str | None]:
+    cfg: ClusterConfig | None = None
+    if not args.address or args.admin is None:
+        try:
+            cfg = load_config(args.config)
+        except ConfigError as exc:
+            raise BenchError(f"config error: {exc}") from None
+    address = args.address or cfg.dispatcher.address
+    admin = args.admin if args.admin is not None else cfg.memory_manager.address
+    return address, (admin or None)
+
+
+# -- compare ---------------------------------------------------------------------------------------------------
+def parse_policies(text: str) -> list[str]:
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    if not policies:
+        raise BenchError("--policies is empty")
+    unknown = [p for p in policies if p not in OVERLOAD_POLICIES]
+    if unknown:
+        raise BenchError(f"unknown policy {unknown[0]!r} (known: {', '.join(OVERLOAD_POLICIES)})")
+    if len(set(policies)) != len(policies):
+        raise BenchError("--policies names a policy twice")
+    return policies
+
+
+def compare_config(args: argparse.Namespace, policy: str) -> ClusterConfig:
+    """The cluster every policy gets: the same config but for `policy.overload`."""
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        raise BenchError(f"config error: {exc}") from None
+    with_workers(cfg, args.workers)
+    assign_free_ports(cfg)
+    if args.pool_mib:
+        cfg.engine.pool_mib = args.pool_mib
+    if args.threads is not None:
+        cfg.engine.threads = args.threads
+    cfg.policy.overload = policy
+    cfg.monitor.auto_drop = True  # the monitor acts only for the policies that use it (kunserve, migrate)
+    cfg.dispatcher.route_timeout_s = max(cfg.dispatcher.route_timeout_s, args.request_timeout)
+    cfg.logging.format = "json"
+    return cfg
+
+
+def compare_record(docs: dict[str, dict], policies: Sequence[str]) -> dict:
+    """SLO references (the best policy's p50), ratios against kunserve and the issue's targets."""
+    done = {p: [r for r in d["requests"] if r["ok"]] for p, d in docs.items()}  # as summarize counts them
+    ttft = {p: [r["ttft_s"] for r in rs if r.get("ttft_s") is not None] for p, rs in done.items()}
+    tpot = {p: [r["tpot_s"] for r in rs if r.get("tpot_s") is not None] for p, rs in done.items()}
+    ref_ttft, ref_tpot = best_p50(ttft), best_p50(tpot)
+    summaries = {}
+    for p, d in docs.items():
+        results = [RequestResult.from_dict(r) for r in d["requests"]]
+        d["summary"] = summarize(results, d["summary"]["duration_s"], reference_ttft_p50=ref_ttft,
+                                 reference_tpot_p50=ref_tpot)
+        summaries[p] = d["summary"]
+    ratios: dict[str, float | None] = {}
+    checks: dict[str, bool | None] = {}
+    k = summaries.get("kunserve")
+    if k is not None:
+        k_p99 = k["ttft"]["p99"]
+        for other, target in (("recompute", 10.0), ("swap", 10.0), ("migrate", 5.0), ("static-pp", None),
+                              ("queue", None)):
+            o = summaries.get(other)
+            if o is None or k_p99 is None or o["ttft"]["p99"] is None:
+                continue
+            ratios[f"ttft_p99_{other}_over_kunserve"] = o["ttft"]["p99"] / k_p99
+            if target is not None:
+                checks[f"ttft_p99_vs_{other}>={target:g}x"] = ratios[f"ttft_p99_{other}_over_kunserve"] >= target
+        base = summaries.get("recompute")
+        if base is not None and base["tpot"]["p50"] and k["tpot"]["p50"] is not None:
+            ratios["tpot_p50_penalty_vs_recompute"] = k["tpot"]["p50"] / base["tpot"]["p50"] - 1
+            checks["tpot_p50_penalty<=25%"] = ratios["tpot_p50_penalty_vs_recompute"] <= 0.25
+    return {"version": RESULT_VERSION, "policies": list(policies), "reference_p50": {"ttft_s": ref_ttft, "tpot_s": ref_tpot},
+            "summaries": summaries, "ratios": ratios, "targets": checks,
+            "layout_changes": {p: d["layout_changes"] for p, d in docs.items()},
+            "drop_seconds": {p: sum(e - s for s, e in d["drop_periods"]) for p, d in docs.items()}}
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from kunserve.cli.benchplot import plot_compare, plot_run
+
+    console = Console(highlight=False)
+    policies = parse_policies(args.policies)
+    if args.workers < 2:
+        raise BenchError("--workers must be >= 2 (a drop merges instances; static-pp pairs them)")
+    trace, source = build_trace(args)
+    out = _out_dir(args, "compare")
+    d = describe(trace)
+    console.print(f"[bold]kunserve bench compare[/]: {len(trace)} requests over {d['duration_s']:.1f} s "
+                  f"(mean prompt {d['mean_prompt']:.0f}, output {d['mean_output']:.0f} tokens) on {args.workers} workers, "
+                  f"policies: {', '.join(policies)} -> {out}")
+    stop_flag = _interrupt_flag()
+    docs: dict[str, dict] = {}
+    interrupted = False
+    for policy in policies:
+        cfg = compare_config(args, policy)
+        run_dir = out / policy / "cluster"
+        cluster = LocalCluster(cfg, run_dir=run_dir)
+        console.print(f"[bold]{policy}[/]: starting a fresh cluster (logs: {run_dir})")
+        try:
+            cluster.start(timeout_s=args.start_timeout)
+        except ClusterStartError as exc:
+            raise BenchError(f"{policy}: cluster failed to start: {exc}") from None
+        except KeyboardInterrupt:
+            interrupted = True
+            break
+        if stop_flag[0]:  # Ctrl-C while it started
+            cluster.stop()
+            interrupted = True
+            break
+        try:
+            time.sleep(args.settle)  # the first stats reports reach the monitor; static-pp pairs form
+            outcome = replay_with_progress(trace, cfg.dispatcher.address, cfg.memory_manager.address, label=policy,
+                                           seed=args.seed, timeout_s=args.request_timeout, stop_flag=stop_flag)
+        finally:
+            cluster.stop()
+        docs[policy] = run_record(outcome, policy=policy, trace_source=source, trace=trace,
+                                  cluster={"workers": args.workers, "pool_mib": cfg.engine.pool_mib,
+                                           "threads": cfg.engine.threads, "block_size": cfg.engine.block_size,
+                                           "model": cfg.model.path or "embedded tiny model"})
+        _write_json(out / policy / "result.json", docs[policy])
+        s = docs[policy]["summary"]
+        console.print(f"  {policy}: {s['completed']}/{s['requests']} completed, TTFT p99 {_ms(s['ttft']['p99'])} ms, "
+                      f"TPOT p50 {_ms(s['tpot']['p50'])} ms")
+        if outcome.interrupted:
+            interrupted = True
+            break
+    if not docs:
+        console.print("[yellow]interrupted before any policy ran[/]")
+        return 130
+    comparison = compare_record(docs, list(docs))
+    for policy, doc in docs.items():  # rewritten with the common SLO references
+        _write_json(out / policy / "result.json", doc)
+        plot_run(doc, out / policy)
+    comparison["interrupted"] = interrupted
+    comparison["trace"] = {"source": source, **d}
+    _write_json(out / "compare.json", comparison)
+    slo = {p: s["slo"] for p, s in comparison["summaries"].items()}
+    png = plot_compare(docs, slo, out / "compare.png")
+    render_table(console, docs, comparison)
+    console.print(f"wrote {out / 'compare.json'}, {png}, per-policy results under {out}/<policy>/")
+    if interrupted:
+        console.print("[yellow]interrupted[/]: the results above are partial")
+        return 130
+    return 0
+
+
+def render_table(console, docs: dict[str, dict], comparison: dict | None = None) -> None:
+    from rich.table import Table
+
+    t = Table(title="kunserve bench" + (" compare" if comparison else ""), show_lines=False)
+    for col in ("policy", "done/sent", "failed", "TTFT p50", "TTFT p99", "TTFT p99.9", "TPOT p50", "TPOT p99",
+                "E2E p99", "SLO 5x TTFT", "tok/s", "drop s", "layout ch."):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for policy, doc in docs.items():
+        s = doc["summary"]
+        slo5 = (s.get("slo", {}).get("ttft") or {}).get("5")
+        t.add_row(policy, f"{s['completed']}/{s['requests']}", str(s["failed"]), _ms(s["ttft"]["p50"]),
+                  _ms(s["ttft"]["p99"]), _ms(s["ttft"]["p999"]), _ms(s["tpot"]["p50"]), _ms(s["tpot"]["p99"]),
+                  _ms(s["e2e"]["p99"]), "-" if slo5 is None else f"{100 * slo5:.0f}%",
+                  f"{s['throughput']['output_tokens_per_s']:.0f}",
+                  f"{sum(e - b for b, e in doc['drop_periods']):.1f}", str(doc["layout_changes"]))
+    console.print(t)
+    console.print("latencies in ms; SLO 5x TTFT = share of requests whose TTFT <= 5 x the best policy's p50")
+    if comparison and comparison["ratios"]:
+        for name, value in comparison["ratios"].items():
+            pretty = f"{100 * value:+.0f}%" if "penalty" in name else f"{value:.1f}x"
+            console.print(f"  {name}: {pretty}")
+        for name, ok in comparison["targets"].items():
+            console.print(f"  target {name}: {'[green]met[/]' if ok else '[red]missed[/]'}")
+
+
+# -- parser ------------------------------------------------------------------------------------------------------
+def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("trace", "a BurstGPT CSV (--trace) or the built-in generator (Gamma arrivals)")
+    g.add_argument("--trace", help="BurstGPT CSV: Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type")
+    g.add_argument("--trace-model", help="keep only rows of this Model (e.g. ChatGPT)")
+    g.add_argument("--trace-log-type", help="keep only rows of this Log Type (e.g. 'Conversation log')")
+    g.add_argument("--limit", type=int, help="replay only the first N requests")
+    g.add_argument("--rate", type=float, default=DEFAULT_RATE, help="generator: mean arrival rate (requests/s)")
+    g.add_argument("--cv", type=float, default=1.0, help="generator: coefficient of variation of the gaps (1 = Poisson)")
+    g.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, help="generator: trace length (s)")
+    g.add_argument("--burst", type=parse_burst, default=parse_burst(DEFAULT_BURST),
+                   help=f"generator: START:DURATION:FACTOR, rate x FACTOR in that window (default {DEFAULT_BURST})")
+    g.add_argument("--no-burst", dest="burst", action="store_const", const=None, help="generator: no burst window")
+    g.add_argument("--profile", choices=sorted(LENGTH_PROFILES), default="burstgpt",
+                   help="generator: length distribution means (burstgpt 642/262, sharegpt 1660/373, longbench 5900/499)")
+    g.add_argument("--length-scale", type=float, default=DEFAULT_LENGTH_SCALE,
+                   help=f"multiply prompt and output lengths (default {DEFAULT_LENGTH_SCALE}: short CPU runs)")
+    g.add_argument("--max-prompt", type=int, default=DEFAULT_MAX_PROMPT, help="clamp prompt lengths (tokens)")
+    g.add_argument("--max-output", type=int, default=DEFAULT_MAX_OUTPUT, help="clamp output lengths (tokens)")
+    g.add_argument("--upscale", type=float, default=1.0,
+                   help="scale the arrival rate, keeping the temporal pattern (TraceUpscaler)")
+    g.add_argument("--seed", type=int, default=0, help="trace and prompt seed (same seed = same requests)")
+    g.add_argument("--save-trace", help="also write the trace as a BurstGPT CSV")
+    p.add_argument("--out", help="output directory (default ./kunserve-bench/<kind>-<time>)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline (s)")
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="replay a bursty trace and measure TTFT / TPOT (run, compare)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    run = bsub.add_parser("run", help="replay a trace against a running cluster")
+    _add_trace_args(run)
+    run.add_argument("--address", help="dispatcher host:port (default: from the config)")
+    run.add_argument("--admin", help="memory manager (admin) host:port for KV usage / drop sampling; '' = none")
+    run.add_argument("--policy", default="cluster", help="label for the results (the cluster's overload policy)")
+    run.set_defaults(func=_guarded(cmd_run))
+    cmp_ = bsub.add_parser("compare", help="run one trace through every overload policy, a fresh local cluster each")
+    _add_trace_args(cmp_)
+    cmp_.add_argument("--policies", default=",".join(OVERLOAD_POLICIES),
+                      help=f"comma-separated, from: {', '.join(OVERLOAD_POLICIES)} (default: all)")
+    cmp_.add_argument("--workers", type=int, default=2, help="workers per cluster (default 2)")
+    cmp_.add_argument("--pool-mib", type=int, default=COMPARE_POOL_MIB,
+                      help=f"memory pool per worker (default {COMPARE_POOL_MIB}: ~2k tokens of KV per whole instance "
+                           "of the embedded model, so a burst overloads it)")
+    cmp_.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    cmp_.add_argument("--start-timeout", type=float, default=180.0, help="seconds to wait for each cluster")
+    cmp_.add_argument("--settle", type=float, default=1.0, help="seconds between cluster ready and the replay")
+    cmp_.set_defaults(func=_guarded(cmd_compare))
+
+
+def _guarded(fn):
+    def run(args: argparse.Namespace) -> None:
+        try:
+            code = fn(args)
+        except (BenchError, TraceError, ClusterUnreachable) as exc:
+            print(f"kunserve: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+        except OSError as exc:
+            print(f"kunserve: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
+            raise SystemExit(1) from None
+        raise SystemExit(code)
+
+    return run
+
+
+__all__ = ["add_bench_parser", "build_trace", "compare_record", "parse_policies", "run_record"]
