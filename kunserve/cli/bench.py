@@ -30,13 +30,14 @@ from kunserve.shared.trace import (LENGTH_PROFILES, Burst, TraceError, TraceRequ
 
 RESULT_VERSION = 1
 # Defaults sized for the embedded tiny model on a 2-core CPU with 2 workers and a 36 MiB pool (~2k tokens of
-# KV per whole instance): a light base load, then a 6x burst for 4 s that overflows KV memory.
+# KV per whole instance): BurstGPT-like lengths at half scale (mean ~320 in / ~130 out), 1 request/s, then
+# 7x that rate for 12 s, which overflows KV memory for most of the window.
 DEFAULT_RATE = 1.0
-DEFAULT_DURATION_S = 24.0
-DEFAULT_BURST = "6:4:8"
-DEFAULT_LENGTH_SCALE = 0.25
-DEFAULT_MAX_PROMPT = 512
-DEFAULT_MAX_OUTPUT = 192
+DEFAULT_DURATION_S = 30.0
+DEFAULT_BURST = "5:12:7"
+DEFAULT_LENGTH_SCALE = 0.5
+DEFAULT_MAX_PROMPT = 1024
+DEFAULT_MAX_OUTPUT = 384
 COMPARE_POOL_MIB = 36
 TARGETS = {"ttft_p99_vs_recompute": 10.0, "ttft_p99_vs_swap": 10.0, "ttft_p99_vs_migrate": 5.0,
            "tpot_p50_penalty_max": 0.25}
@@ -145,14 +146,22 @@ def run_record(outcome: ReplayOutcome, *, policy: str, trace_source: dict, trace
         "not_sent": outcome.not_sent,
         "summary": summarize(outcome.results, outcome.duration_s, reference_ttft_p50=reference_ttft_p50,
                              reference_tpot_p50=reference_tpot_p50),
-        "layout_changes": _layout_changes(outcome),
+        "drops": _drops(outcome),
+        "epoch_changes": _epoch_changes(outcome),
         "drop_periods": drop_periods(outcome.samples),
         "samples": [s.to_dict() for s in outcome.samples],
         "requests": [r.to_dict() for r in outcome.results],
     }
 
 
-def _layout_changes(outcome: ReplayOutcome) -> int:
+def _drops(outcome: ReplayOutcome) -> int:
+    """Drops seen by the sampler: rises of the number of pipeline groups."""
+    units = [s.pipelined_units for s in outcome.samples]
+    return sum(1 for a, b in zip(units, units[1:]) if b > a)
+
+
+def _epoch_changes(outcome: ReplayOutcome) -> int:
+    """Layout epoch bumps seen: drops and restores, migrations, and workers joining or leaving serving."""
     epochs = [s.epoch for s in outcome.samples]
     return sum(1 for a, b in zip(epochs, epochs[1:]) if b != a)
 
@@ -164,6 +173,16 @@ def _write_json(path: Path, doc: dict) -> None:
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else (f"{x * 1000:.0f}" if x >= 0.1 else f"{x * 1000:.1f}")
+
+
+def _console():
+    """A console wide enough for the comparison table even when stdout is a pipe or a log file."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=150)
+    return console
 
 
 def _interrupt_flag() -> list[bool]:
@@ -188,11 +207,9 @@ def _out_dir(args: argparse.Namespace, kind: str) -> Path:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from kunserve.cli.benchplot import plot_run
 
-    console = Console(highlight=False)
+    console = _console()
     trace, source = build_trace(args)
     address, admin = _addresses(args)
     out = _out_dir(args, "run")
@@ -252,6 +269,10 @@ def compare_config(args: argparse.Namespace, policy: str) -> ClusterConfig:
         cfg.engine.threads = args.threads
     cfg.policy.overload = policy
     cfg.monitor.auto_drop = True  # the monitor acts only for the policies that use it (kunserve, migrate)
+    # Detection within ~0.2 s for every policy: stats reports and policy ticks at 0.1 s (what they cost on the
+    # cluster is the same whichever policy runs; only kunserve and migrate act on them).
+    cfg.monitor.stats_interval_s = min(cfg.monitor.stats_interval_s, 0.1)
+    cfg.monitor.policy_interval_s = min(cfg.monitor.policy_interval_s, 0.1)
     cfg.dispatcher.route_timeout_s = max(cfg.dispatcher.route_timeout_s, args.request_timeout)
     cfg.logging.format = "json"
     return cfg
@@ -288,16 +309,15 @@ def compare_record(docs: dict[str, dict], policies: Sequence[str]) -> dict:
             checks["tpot_p50_penalty<=25%"] = ratios["tpot_p50_penalty_vs_recompute"] <= 0.25
     return {"version": RESULT_VERSION, "policies": list(policies), "reference_p50": {"ttft_s": ref_ttft, "tpot_s": ref_tpot},
             "summaries": summaries, "ratios": ratios, "targets": checks,
-            "layout_changes": {p: d["layout_changes"] for p, d in docs.items()},
+            "drops": {p: d["drops"] for p, d in docs.items()},
+            "epoch_changes": {p: d["epoch_changes"] for p, d in docs.items()},
             "drop_seconds": {p: sum(e - s for s, e in d["drop_periods"]) for p, d in docs.items()}}
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from kunserve.cli.benchplot import plot_compare, plot_run
 
-    console = Console(highlight=False)
+    console = _console()
     policies = parse_policies(args.policies)
     if args.workers < 2:
         raise BenchError("--workers must be >= 2 (a drop merges instances; static-pp pairs them)")
@@ -368,7 +388,7 @@ def render_table(console, docs: dict[str, dict], comparison: dict | None = None)
 
     t = Table(title="kunserve bench" + (" compare" if comparison else ""), show_lines=False)
     for col in ("policy", "done/sent", "failed", "TTFT p50", "TTFT p99", "TTFT p99.9", "TPOT p50", "TPOT p99",
-                "E2E p99", "SLO 5x TTFT", "tok/s", "drop s", "layout ch."):
+                "E2E p99", "SLO 5x TTFT", "tok/s", "drops", "drop s", "epoch ch."):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for policy, doc in docs.items():
         s = doc["summary"]
@@ -377,7 +397,7 @@ def render_table(console, docs: dict[str, dict], comparison: dict | None = None)
                   _ms(s["ttft"]["p99"]), _ms(s["ttft"]["p999"]), _ms(s["tpot"]["p50"]), _ms(s["tpot"]["p99"]),
                   _ms(s["e2e"]["p99"]), "-" if slo5 is None else f"{100 * slo5:.0f}%",
                   f"{s['throughput']['output_tokens_per_s']:.0f}",
-                  f"{sum(e - b for b, e in doc['drop_periods']):.1f}", str(doc["layout_changes"]))
+                  str(doc["drops"]), f"{sum(e - b for b, e in doc['drop_periods']):.1f}", str(doc["epoch_changes"]))
     console.print(t)
     console.print("latencies in ms; SLO 5x TTFT = share of requests whose TTFT <= 5 x the best policy's p50")
     if comparison and comparison["ratios"]:
