@@ -65,7 +65,7 @@ def test_csv_trace_lengths_scale_and_clamp(tmp_path):
     save_trace_csv([TraceRequest(0.0, 1000, 400), TraceRequest(1.0, 100, 40)], tmp_path / "t.csv")
     trace, source = bench.build_trace(parse("run", "--trace", str(tmp_path / "t.csv"), "--length-scale", "0.5",
                                             "--max-prompt", "300"))
-    assert [(r.prompt_tokens, r.output_tokens) for r in trace] == [(300, 192), (50, 20)]
+    assert [(r.prompt_tokens, r.output_tokens) for r in trace] == [(300, 200), (50, 20)]
     assert source["kind"] == "burstgpt_csv" and source["skipped_rows"] == 0
 
 
