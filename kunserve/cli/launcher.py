@@ -145,12 +145,16 @@ class LocalCluster:
         raise KeyError(name)
 
     # -- lifecycle ------------------------------------------------------------------------------------
-    def start(self, timeout_s: float = 120.0, progress=None) -> None:
-        self.config_path.write_text(self.cfg.to_toml())
+    def _child_env(self) -> dict[str, str]:
         env = dict(self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.pop("KUNSERVE_CONFIG", None)  # the written file is the one truth for the children
         env[PARENT_PID_ENV] = str(os.getpid())
+        return env
+
+    def start(self, timeout_s: float = 120.0, progress=None) -> None:
+        self.config_path.write_text(self.cfg.to_toml())
+        env = self._child_env()
         # Any failure (a later Popen, a log file that cannot be opened, Ctrl-C, a child that never gets
         # healthy) stops every child started so far: nothing leaks.
         try:
@@ -195,6 +199,23 @@ class LocalCluster:
         if c.proc is not None and c.proc.poll() is None:
             c.proc.send_signal(sig)
             c.proc.wait(timeout=30)
+
+    def restart(self, name: str, timeout_s: float = 60.0, sig: int = signal.SIGKILL) -> None:
+        """Kill one service (SIGKILL by default: a crash) and start it again with the same command and config,
+        then wait until it is healthy: the way tests check that a service rebuilds its state."""
+        c = self.child(name)
+        self.kill(name, sig)
+        with open(c.log_path, "ab") as fh:
+            c.proc = subprocess.Popen(c.argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=self._child_env())
+        deadline = time.monotonic() + timeout_s
+        while not asyncio.run(health_check(c.address, timeout=0.5)):
+            if c.proc.poll() is not None:
+                raise ClusterStartError(f"{name} exited with code {c.proc.returncode} after a restart; "
+                                        f"last lines of {c.log_path}:\n{c.log_tail()}")
+            if time.monotonic() > deadline:
+                raise ClusterStartError(f"{name} not healthy {timeout_s:.0f}s after a restart")
+            time.sleep(0.2)
 
     def stop(self, grace_s: float = 10.0) -> dict[str, int | None]:
         """SIGTERM everything (dispatcher first so clients get a clear status), then SIGKILL stragglers."""

@@ -282,3 +282,41 @@ def test_static_pp_serves_from_pairs_formed_at_start(tmp_path):
                                                                                    "worker-1": (2, 4)}
     assert all(r.worker_id == "worker-0" for r in results)  # the pair's head serves
     _check(prompts, results, 24)
+
+
+def test_memory_manager_rebuilds_the_layout_after_a_restart(tmp_path):
+    """The layout lives in the workers: a memory manager that crashed after a drop learns the group back from
+    them, and can restore it."""
+    c = _fault_cluster(tmp_path)
+    prompts = _prompts(4, seed=8)
+    max_tokens = 24
+    try:
+        async def layout():
+            async with grpc.aio.insecure_channel(c.cfg.memory_manager.address) as ch:
+                return await memory_manager_pb2_grpc.MemoryManagerStub(ch).GetLayout(common_pb2.Empty(), timeout=30)
+
+        drop = run(_drop_pair(c))
+        assert drop.completed, drop.error
+        before = run(layout())
+        c.restart("memory-manager")
+        after = run(layout())
+        groups = {w.worker_id: (w.group_id, w.layer_start, w.layer_end) for w in after.workers}
+        assert groups == {w.worker_id: (w.group_id, w.layer_start, w.layer_end) for w in before.workers}
+        assert groups["worker-0"][0] == groups["worker-1"][0] and after.epoch >= before.epoch
+
+        async def restore_while_serving():
+            progress: dict = {}
+            gen = asyncio.create_task(_generate_all(c, prompts, max_tokens, progress))
+            await _wait_tokens(progress, len(prompts), 2)
+            async with grpc.aio.insecure_channel(c.cfg.memory_manager.address) as ch:
+                rep = await memory_manager_pb2_grpc.MemoryManagerStub(ch).Restore(
+                    memory_manager_pb2.RestoreRequest(), timeout=120)
+            assert rep.completed, rep.error
+            return await gen
+
+        results = run(restore_while_serving(), timeout=200)
+        final = run(layout())
+        assert len({w.group_id for w in final.workers}) == 2 and final.epoch > after.epoch
+    finally:
+        c.stop()
+    _check(prompts, results, max_tokens)
