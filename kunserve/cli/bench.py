@@ -31,10 +31,10 @@ from kunserve.shared.trace import (LENGTH_PROFILES, Burst, TraceError, TraceRequ
 RESULT_VERSION = 1
 # Defaults sized for the embedded tiny model on a 2-core CPU with 2 workers and a 36 MiB pool (~2k tokens of
 # KV per whole instance): BurstGPT-like lengths at half scale (mean ~320 in / ~130 out), 1 request/s, then
-# 7x that rate for 12 s, which overflows KV memory for most of the window.
+# 6x that rate for 20 s, which overflows the instances' KV memory for most of the window.
 DEFAULT_RATE = 1.0
-DEFAULT_DURATION_S = 30.0
-DEFAULT_BURST = "5:12:7"
+DEFAULT_DURATION_S = 40.0
+DEFAULT_BURST = "5:20:6"
 DEFAULT_LENGTH_SCALE = 0.5
 DEFAULT_MAX_PROMPT = 1024
 DEFAULT_MAX_OUTPUT = 384

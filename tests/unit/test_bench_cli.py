@@ -52,7 +52,7 @@ def test_generated_trace_is_deterministic_and_scaled(tmp_path):
                  "--save-trace", str(tmp_path / "t.csv"))
     trace, source = bench.build_trace(args)
     again, _ = bench.build_trace(args)
-    assert trace == again and source["kind"] == "gamma" and source["burst"]["factor"] == 7.0
+    assert trace == again and source["kind"] == "gamma" and source["burst"]["factor"] == 6.0
     assert all(r.prompt_tokens <= bench.DEFAULT_MAX_PROMPT and r.output_tokens <= bench.DEFAULT_MAX_OUTPUT for r in trace)
     # the saved trace replays as the same requests
     from_csv, _ = bench.build_trace(parse("run", "--trace", str(tmp_path / "t.csv"), "--length-scale", "1"))
