@@ -25,8 +25,9 @@ from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_p
 from kunserve.cli.replay import ClusterUnreachable, ReplayOutcome, drop_periods, replay
 from kunserve.shared.benchstats import RequestResult, best_p50, summarize
 from kunserve.shared.config import OVERLOAD_POLICIES, ClusterConfig, ConfigError, load_config
+from kunserve.shared.rpc import health_check
 from kunserve.shared.trace import (LENGTH_PROFILES, Burst, TraceError, TraceRequest, describe, generate_trace,
-                                   load_burstgpt_csv, save_trace_csv, upscale)
+                                   load_burstgpt_csv, save_trace_csv, scale_lengths, upscale)
 
 RESULT_VERSION = 1
 # Defaults sized for the embedded tiny model on a 2-core CPU with 2 workers and a 36 MiB pool (~2k tokens of
@@ -64,8 +65,6 @@ def build_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], dict]:
                                            limit=args.limit)
         source = {"kind": "burstgpt_csv", "path": str(args.trace), "skipped_rows": skipped}
         if args.length_scale != 1.0 or args.max_prompt or args.max_output:
-            from kunserve.shared.trace import scale_lengths
-
             trace = scale_lengths(trace, args.length_scale, max_prompt=args.max_prompt, max_output=args.max_output)
     else:
         try:
@@ -212,6 +211,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     console = _console()
     trace, source = build_trace(args)
     address, admin = _addresses(args)
+    if admin and not asyncio.run(health_check(admin, timeout=2.0)):
+        console.print(f"[yellow]warning[/]: the admin service at {admin} does not answer: no KV usage / drop "
+                      "sampling (give --admin HOST:PORT, or --admin '' to silence this)")
+        admin = None
     out = _out_dir(args, "run")
     console.print(f"Replaying {len(trace)} requests over {trace[-1].arrival_s:.1f} s against {address} "
                   f"(policy label: {args.policy}) -> {out}")
