@@ -57,9 +57,11 @@ async def stream(channel: grpc.aio.Channel, request: generation_pb2.GenerateRequ
 
 
 async def generate(channel: grpc.aio.Channel, request: generation_pb2.GenerateRequest, timeout: float | None = None,
-                   on_event=None) -> GenerationResult:
-    """Run one request to completion; raises grpc.aio.AioRpcError on failure."""
-    res = GenerationResult(request_id=request.request_id)
+                   on_event=None, into: GenerationResult | None = None) -> GenerationResult:
+    """Run one request to completion; raises grpc.aio.AioRpcError on failure. `into` is filled as events
+    arrive, so a caller keeps what was measured when the call fails or is cancelled (the bench does)."""
+    res = into if into is not None else GenerationResult(request_id=request.request_id)
+    res.request_id = res.request_id or request.request_id
     start = time.monotonic()
     async for ev in stream(channel, request, timeout):
         now = time.monotonic() - start

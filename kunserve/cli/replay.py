@@ -20,7 +20,6 @@ import grpc
 from kunserve import client
 from kunserve.cli.kunctl import status_groups
 from kunserve.shared.benchstats import RequestResult
-from kunserve.shared.convert import FINISH_NAMES
 from kunserve.shared.trace import TraceRequest
 from kunserve.v1 import admin_pb2_grpc, common_pb2
 
@@ -135,24 +134,19 @@ async def _one(ch: grpc.aio.Channel, req: TraceRequest, index: int, t0: float, s
                         output_tokens=req.output_tokens)
     request = client.make_request(prompt_ids(index, req.prompt_tokens, seed), request_id=f"{request_prefix}{index}",
                                   max_tokens=req.output_tokens, ignore_eos=True)
+    stream = client.GenerationResult()  # filled as tokens arrive: kept when the call fails or is cancelled
     try:
-        async for ev in client.stream(ch, request, timeout=timeout_s):
-            now = time.monotonic() - sent
-            res.worker_id = ev.worker_id or res.worker_id
-            if ev.token_id >= 0:
-                res.token_times_s.append(now)
-                if res.ttft_s is None:
-                    res.ttft_s = now
-            if ev.finish_reason:
-                res.finish_reason = FINISH_NAMES.get(ev.finish_reason, str(ev.finish_reason))
+        await client.generate(ch, request, timeout=timeout_s, into=stream)
         res.e2e_s = time.monotonic() - sent
-        res.ok = res.finish_reason not in ("", "aborted")
+        res.ok = stream.finish_reason not in ("", "aborted")
         if not res.ok:
-            res.error = f"stream ended without finishing ({res.finish_reason or 'no finish reason'})"
+            res.error = f"stream ended without finishing ({stream.finish_reason or 'no finish reason'})"
     except grpc.aio.AioRpcError as exc:
         res.error = f"{exc.code().name}: {exc.details()}"
     except asyncio.CancelledError:
         res.error = "interrupted"
+    res.ttft_s, res.token_times_s = stream.ttft_s, stream.token_times_s
+    res.worker_id, res.finish_reason = stream.worker_id, stream.finish_reason
     return res
 
 

@@ -7,6 +7,7 @@ pipeline -> restore (KV exchanged back) -> normal equal the independent referenc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import grpc
@@ -36,8 +37,11 @@ def _prompts(n: int, seed: int, lo: int = 8, hi: int = 40) -> list[list[int]]:
     return [[rng.randrange(4, 4000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
+@contextlib.asynccontextmanager
 async def _mm(c: LocalCluster):
-    return grpc.aio.insecure_channel(c.cfg.memory_manager.address)
+    """A MemoryManager stub on a channel that is closed afterwards."""
+    async with grpc.aio.insecure_channel(c.cfg.memory_manager.address) as ch:
+        yield memory_manager_pb2_grpc.MemoryManagerStub(ch)
 
 
 async def _generate_all(c: LocalCluster, prompts, max_tokens: int, progress: dict):
@@ -74,8 +78,7 @@ def test_drop_then_restore_mid_decode_keeps_greedy_tokens(cluster4):
         progress: dict = {}
         gen = asyncio.create_task(_generate_all(cluster4, prompts, max_tokens, progress))
         await _wait_tokens(progress, len(prompts), 3)
-        async with grpc.aio.insecure_channel(cluster4.cfg.memory_manager.address) as ch:
-            mm = memory_manager_pb2_grpc.MemoryManagerStub(ch)
+        async with _mm(cluster4) as mm:
             drop = await mm.Drop(memory_manager_pb2.DropRequest(groups=[
                 memory_manager_pb2.GroupMembers(worker_ids=["worker-0", "worker-1"]),
                 memory_manager_pb2.GroupMembers(worker_ids=["worker-2", "worker-3"])], reason="manual"), timeout=120)
@@ -99,8 +102,7 @@ def test_drop_then_restore_mid_decode_keeps_greedy_tokens(cluster4):
 
 def test_drop_bad_input_is_refused_and_layout_unchanged(cluster4):
     async def go():
-        async with grpc.aio.insecure_channel(cluster4.cfg.memory_manager.address) as ch:
-            mm = memory_manager_pb2_grpc.MemoryManagerStub(ch)
+        async with _mm(cluster4) as mm:
             epoch = (await mm.GetLayout(common_pb2.Empty(), timeout=10)).epoch
             codes = []
             for groups in (["worker-0", "nope"], ["worker-0"], ["worker-0", "worker-0"]):
@@ -135,8 +137,7 @@ def _fault_cluster(tmp_path, env=None) -> LocalCluster:
 
 
 async def _drop_pair(c: LocalCluster):
-    async with grpc.aio.insecure_channel(c.cfg.memory_manager.address) as ch:
-        mm = memory_manager_pb2_grpc.MemoryManagerStub(ch)
+    async with _mm(c) as mm:
         return await mm.Drop(memory_manager_pb2.DropRequest(groups=[
             memory_manager_pb2.GroupMembers(worker_ids=["worker-0", "worker-1"])]), timeout=120)
 
@@ -203,8 +204,7 @@ def test_a_burst_that_overflows_kv_memory_drops_automatically(tmp_path):
             progress: dict = {}
             gen = asyncio.create_task(_generate_all(c, prompts, max_tokens, progress))
             waiting_after_ready = None
-            async with grpc.aio.insecure_channel(c.cfg.memory_manager.address) as ch:
-                mm = memory_manager_pb2_grpc.MemoryManagerStub(ch)
+            async with _mm(c) as mm:
                 loop = asyncio.get_running_loop()
                 end = loop.time() + 120
                 group = None
@@ -246,8 +246,7 @@ def test_migrate_moves_running_requests_with_their_kv(cluster4):
         progress: dict = {}
         gen = asyncio.create_task(_generate_all(cluster4, prompts, max_tokens, progress))
         await _wait_tokens(progress, len(prompts), 3)
-        async with grpc.aio.insecure_channel(cluster4.cfg.memory_manager.address) as ch:
-            mm = memory_manager_pb2_grpc.MemoryManagerStub(ch)
+        async with _mm(cluster4) as mm:
             rep = await mm.Migrate(memory_manager_pb2.MigrateRequest(src_worker="worker-0", dst_worker="worker-1",
                                                                      blocks=1000), timeout=120)
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -270,9 +269,9 @@ def test_static_pp_serves_from_pairs_formed_at_start(tmp_path):
     prompts = _prompts(6, seed=7)
     try:
         async def go():
-            async with grpc.aio.insecure_channel(c.cfg.memory_manager.address) as ch:
+            async with _mm(c) as mm:
                 await asyncio.sleep(0.3)
-                layout = await memory_manager_pb2_grpc.MemoryManagerStub(ch).GetLayout(common_pb2.Empty(), timeout=10)
+                layout = await mm.GetLayout(common_pb2.Empty(), timeout=10)
             return layout, await _generate_all(c, prompts, 24, {})
 
         layout, results = run(go())
@@ -292,8 +291,8 @@ def test_memory_manager_rebuilds_the_layout_after_a_restart(tmp_path):
     max_tokens = 24
     try:
         async def layout():
-            async with grpc.aio.insecure_channel(c.cfg.memory_manager.address) as ch:
-                return await memory_manager_pb2_grpc.MemoryManagerStub(ch).GetLayout(common_pb2.Empty(), timeout=30)
+            async with _mm(c) as mm:
+                return await mm.GetLayout(common_pb2.Empty(), timeout=30)
 
         drop = run(_drop_pair(c))
         assert drop.completed, drop.error
@@ -308,9 +307,8 @@ def test_memory_manager_rebuilds_the_layout_after_a_restart(tmp_path):
             progress: dict = {}
             gen = asyncio.create_task(_generate_all(c, prompts, max_tokens, progress))
             await _wait_tokens(progress, len(prompts), 2)
-            async with grpc.aio.insecure_channel(c.cfg.memory_manager.address) as ch:
-                rep = await memory_manager_pb2_grpc.MemoryManagerStub(ch).Restore(
-                    memory_manager_pb2.RestoreRequest(), timeout=120)
+            async with _mm(c) as mm:
+                rep = await mm.Restore(memory_manager_pb2.RestoreRequest(), timeout=120)
             assert rep.completed, rep.error
             return await gen
 

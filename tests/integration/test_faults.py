@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -142,25 +144,34 @@ def test_unreachable_cluster_is_a_one_line_cli_error():
         assert out.returncode == 1 and "UNAVAILABLE" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_kunserve_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
-    """The README's launcher: health-checked start, endpoints printed, Ctrl-C stops every child with exit 0."""
-    import os
-    import time
-
+def _kunserve_up_demo(tmp_path, demo_tokens: int, until: str) -> tuple[subprocess.Popen, list[str]]:
+    """`kunserve up --demo` as the README runs it; returns the process and its output up to the first line
+    containing `until` (or to its end / 180 s)."""
     proc = subprocess.Popen([sys.executable, "-m", "kunserve.cli.main", "up", "--free-ports", "--run-dir",
-                             str(tmp_path), "--demo", "--demo-tokens", "4"],
+                             str(tmp_path), "--demo", "--demo-tokens", str(demo_tokens)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "COLUMNS": "200"})
     lines: list[str] = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if until in line:
+            break
+    return proc, lines
+
+
+def _all_children_stopped_cleanly(output: str) -> bool:
+    stopped = [ln for ln in output.splitlines() if ln.startswith("Stopped:")]
+    return bool(stopped) and all(part.endswith("=0") for part in stopped[0][len("Stopped: "):].split(", "))
+
+
+def test_kunserve_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
+    """The README's launcher: health-checked start, endpoints printed, Ctrl-C stops every child with exit 0."""
+    proc, lines = _kunserve_up_demo(tmp_path, 4, until="Press Ctrl-C")
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Press Ctrl-C" in line:
-                break
         assert any("Press Ctrl-C" in ln for ln in lines), "".join(lines)
         assert any("finish: length" in ln for ln in lines), "".join(lines)  # the demo streamed
         proc.send_signal(signal.SIGINT)
@@ -170,29 +181,13 @@ def test_kunserve_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
             proc.kill()
             proc.wait(timeout=30)
     assert proc.returncode == 0, rest
-    stopped = [ln for ln in rest.splitlines() if ln.startswith("Stopped:")]
-    assert stopped and all(part.endswith("=0") for part in stopped[0][len("Stopped: "):].split(", ")), rest
+    assert _all_children_stopped_cleanly(rest), rest
 
 
 def test_kunserve_up_ctrl_c_during_the_demo_stops_the_cluster(tmp_path):
     """Ctrl-C while the demo generation streams ends it at once and stops every child cleanly."""
-    import os
-    import time
-
-    proc = subprocess.Popen([sys.executable, "-m", "kunserve.cli.main", "up", "--free-ports", "--run-dir",
-                             str(tmp_path), "--demo", "--demo-tokens", "1900"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "COLUMNS": "200"})
-    lines: list[str] = []
+    proc, lines = _kunserve_up_demo(tmp_path, 1900, until="Demo")
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Demo" in line:
-                break
         assert any("Demo" in ln for ln in lines), "".join(lines)
         time.sleep(1.0)  # the generation is streaming (1900 tokens take far longer)
         interrupted = time.monotonic()
@@ -205,6 +200,5 @@ def test_kunserve_up_ctrl_c_during_the_demo_stops_the_cluster(tmp_path):
             proc.wait(timeout=30)
     assert proc.returncode == 130, rest
     assert "interrupted" in rest and "Press Ctrl-C" not in rest and "finish:" not in rest, rest
-    stopped = [ln for ln in rest.splitlines() if ln.startswith("Stopped:")]
-    assert stopped and all(part.endswith("=0") for part in stopped[0][len("Stopped: "):].split(", ")), rest
+    assert _all_children_stopped_cleanly(rest), rest
     assert took < 30, took
