@@ -39,6 +39,16 @@ class MemoryManager:
         ch = self._channels.get(worker_id)
         return worker_pb2_grpc.WorkerStub(ch) if ch is not None else None
 
+    async def connected(self, worker_id: str, timeout: float) -> bool:
+        """Wait (bounded) until the channel to a worker is connected. The layout refresh starts before the
+        workers listen, so a channel can sit in reconnect backoff for up to a second after a worker came up;
+        a fail-fast call in that window would report a healthy worker as unreachable."""
+        try:
+            await asyncio.wait_for(self._channels[worker_id].channel_ready(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
     async def refresh(self, timeout: float = 1.0) -> None:
         async def one(worker_id: str) -> None:
             stub = worker_pb2_grpc.WorkerStub(self._channels[worker_id])
@@ -113,6 +123,8 @@ class MemoryManagerServicer(memory_manager_pb2_grpc.MemoryManagerServicer):
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
+    CONNECT_TIMEOUT_S = 3.0
+
     def __init__(self, mm: MemoryManager) -> None:
         self.mm = mm
 
@@ -120,7 +132,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         out = admin_pb2.AdminStatus(layout=self.mm.layout.to_pb())
         try:
             out.cluster.CopyFrom(await monitor_pb2_grpc.MonitorStub(self.mm.monitor_channel).GetClusterStatus(
-                common_pb2.Empty(), timeout=2.0))
+                common_pb2.Empty(), timeout=2.0, wait_for_ready=True))  # not fail-fast: see MemoryManager.connected
         except grpc.aio.AioRpcError as exc:
             out.monitor_error = f"monitor at {self.mm.cfg.monitor.address} unreachable: {exc.code().name}"
         return out
@@ -130,6 +142,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         if stub is None:
             known = ", ".join(sorted(self.mm._channels)) or "none"
             await context.abort(grpc.StatusCode.NOT_FOUND, f"worker_id: no worker {worker_id!r} (known: {known})")
+        if not await self.mm.connected(worker_id, self.CONNECT_TIMEOUT_S):
+            address = next(w.address for w in self.mm.cfg.workers if w.id == worker_id)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {worker_id}: no connection to {address} "
+                                                             f"within {self.CONNECT_TIMEOUT_S:.0f}s")
         return stub
 
     async def _proxy(self, worker_id: str, call, context):
