@@ -57,3 +57,16 @@ def _reference(prompt: tuple[int, ...], max_tokens: int):
 def reference_for(prompt, max_tokens: int):
     """Greedy tokens and top-2 margins of the embedded default model (what `kunserve up` serves)."""
     return _reference(tuple(prompt), max_tokens)
+
+
+def check_against_reference(prompt, got: list[int], max_tokens: int) -> None:
+    """Assert a greedy generation of the embedded model: all max_tokens tokens, each equal to the dense
+    reference's wherever its top-2 margin is clear. Teacher-forced (one reference forward over prompt + got),
+    which is the greedy reference up to the first divergence, so long generations stay cheap to check."""
+    from kunserve.shared.model.reference import reference_scores
+    from oracle import compare_greedy
+
+    assert len(got) == max_tokens, f"{len(got)} tokens, expected {max_tokens}"
+    cfg, weights = _embedded_model()
+    ref, margins = reference_scores(cfg, weights, list(prompt), list(got))
+    compare_greedy(list(got), ref, margins)

@@ -12,9 +12,8 @@ import time
 import grpc
 import pytest
 
-from helpers import generate_many, reference_for, run
+from helpers import check_against_reference, generate_many, run
 from kunserve import client
-from oracle import compare_greedy
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +41,7 @@ def test_worker_killed_mid_stream_is_resumed_on_the_other_worker(fresh_cluster):
     """KunServe §4.4: the dispatcher re-prefills prompt + emitted tokens on a healthy instance; the client
     stream goes on without an error and (greedy) with exactly the reference tokens."""
     c = fresh_cluster(2)
-    n = 128  # the reference model recomputes the whole sequence per token: keep it short
+    n = 512  # long enough that the kill lands mid-stream, however slowly the kill is delivered
 
     async def scenario():
         async with client.insecure_channel(c.cfg.dispatcher.address) as ch:
@@ -52,8 +51,7 @@ def test_worker_killed_mid_stream_is_resumed_on_the_other_worker(fresh_cluster):
             return victim, await task, got
 
     victim, res, events = run(scenario())
-    ref, margins = reference_for([7, 8, 9], n)
-    compare_greedy(res.token_ids, ref, margins)
+    check_against_reference([7, 8, 9], res.token_ids, n)
     assert res.finish_reason == "length"
     tokens = [e for e in events if e.token_id >= 0]
     assert [e.index for e in tokens] == list(range(n))
@@ -68,8 +66,7 @@ def test_worker_killed_mid_stream_is_resumed_on_the_other_worker(fresh_cluster):
     for p, r in zip(prompts, results):
         assert not isinstance(r, BaseException), r
         assert r.worker_id != victim
-        ref, margins = reference_for(p, 5)
-        compare_greedy(r.token_ids, ref, margins)
+        check_against_reference(p, r.token_ids, 5)
     assert c.child("dispatcher").proc.poll() is None
 
 
@@ -99,8 +96,7 @@ def test_request_waits_for_a_routable_worker_and_cancel_while_waiting(fresh_clus
     cancelled, served = run(scenario())
     assert cancelled.finish_reason == "aborted" and cancelled.token_ids == []
     assert served.worker_id == "worker-1"
-    ref, margins = reference_for([5, 6, 8], 4)
-    compare_greedy(served.token_ids, ref, margins)
+    check_against_reference([5, 6, 8], served.token_ids, 4)
 
 
 @pytest.mark.parametrize("service", ["dispatcher", "worker"])
