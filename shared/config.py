@@ -66,6 +66,7 @@ class DispatcherSection(ServiceSection):
 class MemoryManagerSection(ServiceSection):
     port: int = 50052
     transition_timeout_s: float = 60.0  # one worker's prepare / execute of a drop or restore
+    preconnect: bool = True  # link every worker pair over UCX ahead of the first drop (saves 0.1-0.3 s of it)
 
 
 @dataclass

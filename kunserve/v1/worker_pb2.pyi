@@ -272,7 +272,7 @@ class WorkerTokenEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., moved_to: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "model_name", "num_layers_model", "layer_start", "layer_end", "vocab_size", "max_model_len", "block_size", "kv_blocks_total", "device", "dtype", "transfer_address", "group_id", "group_members", "epoch", "serving", "transitioning")
+    __slots__ = ("worker_id", "address", "model_name", "num_layers_model", "layer_start", "layer_end", "vocab_size", "max_model_len", "block_size", "kv_blocks_total", "device", "dtype", "transfer_address", "group_id", "group_members", "epoch", "serving", "transitioning", "transfer_peers")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,7 @@ class WorkerInfo(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     TRANSITIONING_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_PEERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model_name: str
@@ -309,4 +310,34 @@ class WorkerInfo(_message.Message):
     epoch: int
     serving: bool
     transitioning: bool
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers_model: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., transfer_address: _Optional[str] = ..., group_id: _Optional[str] = ..., group_members: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., transitioning: _Optional[bool] = ...) -> None: ...
+    transfer_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers_model: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., transfer_address: _Optional[str] = ..., group_id: _Optional[str] = ..., group_members: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., transitioning: _Optional[bool] = ..., transfer_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PeerAddress(_message.Message):
+    __slots__ = ("worker_id", "transfer_address")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    transfer_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., transfer_address: _Optional[str] = ...) -> None: ...
+
+class PeerAddresses(_message.Message):
+    __slots__ = ("peers",)
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[PeerAddress]
+    def __init__(self, peers: _Optional[_Iterable[_Union[PeerAddress, _Mapping]]] = ...) -> None: ...
+
+class PeerLinks(_message.Message):
+    __slots__ = ("linked", "failed")
+    class FailedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    LINKED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    linked: _containers.RepeatedScalarFieldContainer[str]
+    failed: _containers.ScalarMap[str, str]
+    def __init__(self, linked: _Optional[_Iterable[str]] = ..., failed: _Optional[_Mapping[str, str]] = ...) -> None: ...

@@ -90,6 +90,11 @@ class WorkerStub:
                 request_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionRef.SerializeToString,
                 response_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionDone.FromString,
                 _registered_method=True)
+        self.ConnectPeers = channel.unary_unary(
+                '/kunserve.v1.Worker/ConnectPeers',
+                request_serializer=kunserve_dot_v1_dot_worker__pb2.PeerAddresses.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_worker__pb2.PeerLinks.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -169,6 +174,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConnectPeers(self, request, context):
+        """Open transfer links ahead of need: the memory manager asks once it knows the peers' addresses, so the
+        first drop does not pay UCX's connect (0.1-0.3 s here) while requests wait. Linked peers are skipped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -226,6 +239,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.AbortTransition,
                     request_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionRef.FromString,
                     response_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionDone.SerializeToString,
+            ),
+            'ConnectPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConnectPeers,
+                    request_deserializer=kunserve_dot_v1_dot_worker__pb2.PeerAddresses.FromString,
+                    response_serializer=kunserve_dot_v1_dot_worker__pb2.PeerLinks.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -525,6 +543,33 @@ class Worker:
             '/kunserve.v1.Worker/AbortTransition',
             kunserve_dot_v1_dot_worker__pb2.TransitionRef.SerializeToString,
             kunserve_dot_v1_dot_worker__pb2.TransitionDone.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConnectPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.Worker/ConnectPeers',
+            kunserve_dot_v1_dot_worker__pb2.PeerAddresses.SerializeToString,
+            kunserve_dot_v1_dot_worker__pb2.PeerLinks.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,6 +20,20 @@ from kunserve.v1 import (admin_pb2, admin_pb2_grpc, common_pb2, memory_manager_p
                          worker_pb2_grpc)
 
 
+def missing_links(infos: dict[str, worker_pb2.WorkerInfo]) -> dict[str, dict[str, str]]:
+    """The transfer links still to open, by the worker that should open each: of a pair, the one with the
+    smaller id (one link per pair; a link carries both directions). Workers without a transfer service
+    (no address) are left out."""
+    ids = sorted(w for w, i in infos.items() if i.transfer_address)
+    out: dict[str, dict[str, str]] = {}
+    for i, a in enumerate(ids):
+        linked = set(infos[a].transfer_peers)
+        for b in ids[i + 1:]:
+            if b not in linked and a not in infos[b].transfer_peers:
+                out.setdefault(a, {})[b] = infos[b].transfer_address
+    return out
+
+
 class MemoryManager:
     """Owns the layout; refreshes it from the workers' GetInfo."""
 
@@ -30,6 +44,8 @@ class MemoryManager:
         self._channels = {w.id: insecure_channel(w.address) for w in cfg.workers}
         self.monitor_channel = insecure_channel(cfg.monitor.address)
         self.orchestrator = Orchestrator(self, cfg.memory_manager.transition_timeout_s)
+        self._infos: dict[str, worker_pb2.WorkerInfo] = {}  # the latest GetInfo of each reachable worker
+        self._linking: asyncio.Task | None = None
 
     @property
     def worker_ids(self) -> list[str]:
@@ -56,7 +72,9 @@ class MemoryManager:
                 info = await stub.GetInfo(common_pb2.Empty(), timeout=timeout)
             except grpc.aio.AioRpcError:
                 self.layout.mark_unreachable(worker_id)
+                self._infos.pop(worker_id, None)
                 return
+            self._infos[worker_id] = info
             try:
                 if self.layout.observe(worker_id, info.address, info.layer_start, info.layer_end, info.num_layers_model,
                                        group_id=info.group_id, transfer_address=info.transfer_address,
@@ -68,6 +86,28 @@ class MemoryManager:
                 self.log.error("layout_inconsistent", worker=worker_id, error=str(exc))
 
         await asyncio.gather(*(one(w) for w in self._channels))
+        if self.cfg.memory_manager.preconnect and (self._linking is None or self._linking.done()):
+            missing = missing_links(self._infos)
+            if missing:
+                self._linking = asyncio.create_task(self._link(missing))
+
+    async def _link(self, missing: dict[str, dict[str, str]]) -> None:
+        """Ask workers to open the transfer links a drop would otherwise open while requests wait. Best effort:
+        a link that fails is tried again after the next refresh, and a transition opens what is still missing."""
+        async def one(worker_id: str, peers: dict[str, str]) -> None:
+            request = worker_pb2.PeerAddresses(peers=[worker_pb2.PeerAddress(worker_id=w, transfer_address=a)
+                                                      for w, a in sorted(peers.items())])
+            try:
+                reply = await self.worker_stub(worker_id).ConnectPeers(request, timeout=10.0)
+            except grpc.aio.AioRpcError as exc:
+                self.log.warning("transfer_links_failed", worker=worker_id, error=f"{exc.code().name}: {exc.details()}")
+                return
+            if reply.failed:
+                self.log.warning("transfer_links_failed", worker=worker_id, failed=dict(reply.failed))
+            else:
+                self.log.info("transfer_links_open", worker=worker_id, peers=list(reply.linked))
+
+        await asyncio.gather(*(one(w, p) for w, p in missing.items()))
 
     async def refresh_forever(self, interval_s: float = 1.0) -> None:
         while True:
@@ -75,6 +115,8 @@ class MemoryManager:
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:
+        if self._linking is not None:
+            self._linking.cancel()
         for ch in self._channels.values():
             await ch.close()
         await self.monitor_channel.close()

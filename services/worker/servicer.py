@@ -181,7 +181,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_layers_model=ident.num_layers_model, layer_start=start, layer_end=end,
             vocab_size=ident.vocab_size, max_model_len=ident.max_model_len, block_size=stats.block_size,
             kv_blocks_total=stats.kv_blocks_total, device=ident.device, dtype=ident.dtype,
-            transfer_address=self.transitions.svc.address if self.transitions else "", **self._layout_fields(),
+            transfer_address=self.transitions.svc.address if self.transitions else "",
+            transfer_peers=self.transitions.svc.peers if self.transitions else [], **self._layout_fields(),
         )
 
     # -- memory pool --------------------------------------------------------------------------------------
@@ -281,6 +282,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def AbortTransition(self, request: worker_pb2.TransitionRef, context: grpc.aio.ServicerContext):
         return await self._transition(context, lambda t: t.abort(request.epoch))
+
+    async def ConnectPeers(self, request: worker_pb2.PeerAddresses, context: grpc.aio.ServicerContext):
+        if self.transitions is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.identity.worker_id} runs without a transfer service")
+        peers = {p.worker_id: p.transfer_address for p in request.peers}
+        if "" in peers:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "peers: every peer needs a worker_id")
+        timeout_s = min(self.transitions.timeout_s, context.time_remaining() or self.transitions.timeout_s)
+        failed = await self.transitions.connect_peers(peers, timeout_s)
+        return worker_pb2.PeerLinks(linked=self.transitions.svc.peers, failed=failed)
 
     async def shutdown(self) -> None:
         """End every in-flight stream with UNAVAILABLE, then stop the engine thread (off the event loop:

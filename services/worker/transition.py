@@ -479,19 +479,36 @@ class TransitionRunner:
 
     # -- helpers ------------------------------------------------------------------------------------------
     async def _connect_peers(self, units: list[UnitDef]) -> None:
+        """Links to every other member of the old and new units; usually already open (connect_peers)."""
         want = {m.worker_id: m.transfer_address for u in units for m in u.members if m.worker_id != self.worker_id}
         for wid, addr in sorted(want.items()):
-            if wid in self.svc.peers:
-                continue
-            if not addr:
-                raise TransitionRefused("INVALID_ARGUMENT", f"no transfer address for worker {wid}")
-            host, port = addr.rsplit(":", 1)
+            await self._link(wid, addr, self.timeout_s)
+
+    async def connect_peers(self, peers: dict[str, str], timeout_s: float) -> dict[str, str]:
+        """Open links to `peers` (worker id -> transfer address) ahead of any transition, concurrently;
+        returns why each failed one failed. Serving goes on meanwhile: nothing is paused."""
+        async def one(wid: str, addr: str) -> tuple[str, str]:
             try:
-                got = await self.svc.connect(host, int(port), timeout=self.timeout_s)
-            except Exception as exc:
-                raise TransitionRefused("UNAVAILABLE", f"cannot reach worker {wid} at {addr}: {exc}") from None
-            if got != wid:
-                raise TransitionRefused("FAILED_PRECONDITION", f"{addr} is worker {got!r}, not {wid!r}")
+                await self._link(wid, addr, timeout_s)
+                return wid, ""
+            except TransitionRefused as exc:
+                return wid, str(exc)
+
+        tried = await asyncio.gather(*(one(w, a) for w, a in sorted(peers.items()) if w != self.worker_id))
+        return {wid: why for wid, why in tried if why}
+
+    async def _link(self, wid: str, addr: str, timeout_s: float) -> None:
+        if wid in self.svc.peers:
+            return
+        if not addr:
+            raise TransitionRefused("INVALID_ARGUMENT", f"no transfer address for worker {wid}")
+        host, port = addr.rsplit(":", 1)
+        try:
+            got = await self.svc.connect(host, int(port), timeout=timeout_s)
+        except Exception as exc:
+            raise TransitionRefused("UNAVAILABLE", f"cannot reach worker {wid} at {addr}: {exc}") from None
+        if got != wid:
+            raise TransitionRefused("FAILED_PRECONDITION", f"{addr} is worker {got!r}, not {wid!r}")
 
     async def _on_engine(self, fn: Callable[[Engine], Any]) -> Any:
         return await asyncio.wait_for(asyncio.wrap_future(self.engine_loop.call(fn)), self.timeout_s)

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import check_against_reference, make_config, run
 from kunserve import client
-from kunserve.cli.launcher import LocalCluster
+from kunserve.cli.launcher import LocalCluster, free_port
 from kunserve.v1 import common_pb2, memory_manager_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc
 
 pytestmark = pytest.mark.timeout(300)
@@ -69,6 +69,42 @@ async def _wait_tokens(progress: dict, n: int, at_least: int, gen: asyncio.Task,
 def _check(prompts, results, max_tokens):
     for p, r in zip(prompts, results):
         check_against_reference(p, r.token_ids, max_tokens)
+
+
+def test_workers_link_their_transfer_services_before_any_drop(cluster4):
+    """The memory manager has every worker pair linked over UCX soon after start, so the first drop does not
+    open links while requests wait. ConnectPeers refuses a nameless peer and reports one it cannot reach."""
+    from kunserve.v1 import worker_pb2, worker_pb2_grpc
+
+    ids = [w.id for w in cluster4.cfg.workers]
+
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            stubs = {w.id: worker_pb2_grpc.WorkerStub(await stack.enter_async_context(
+                grpc.aio.insecure_channel(w.address))) for w in cluster4.cfg.workers}
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 60
+            while True:
+                infos = {w: await s.GetInfo(common_pb2.Empty(), timeout=10) for w, s in stubs.items()}
+                peers = {w: sorted(i.transfer_peers) for w, i in infos.items()}
+                if all(peers[w] == [x for x in ids if x != w] for w in ids):
+                    break
+                assert loop.time() < end, f"workers not linked: {peers}"
+                await asyncio.sleep(0.2)
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await stubs["worker-0"].ConnectPeers(worker_pb2.PeerAddresses(
+                    peers=[worker_pb2.PeerAddress(transfer_address="127.0.0.1:1")]), timeout=10)
+            nobody = free_port()
+            linked = worker_pb2.PeerAddress(worker_id="worker-1", transfer_address=infos["worker-1"].transfer_address)
+            reply = await stubs["worker-0"].ConnectPeers(worker_pb2.PeerAddresses(
+                peers=[worker_pb2.PeerAddress(worker_id="worker-9", transfer_address=f"127.0.0.1:{nobody}"), linked]),
+                timeout=30)
+            return bad.value, reply
+
+    bad, reply = run(go())
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "worker_id" in bad.details()
+    assert "worker-9" in reply.failed and "cannot reach" in reply.failed["worker-9"]
+    assert "worker-1" not in reply.failed and sorted(reply.linked) == ["worker-1", "worker-2", "worker-3"]
 
 
 def test_drop_then_restore_mid_decode_keeps_greedy_tokens(cluster4):
