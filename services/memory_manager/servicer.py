@@ -7,6 +7,7 @@ port is enough (compose publishes it on localhost only).
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -18,6 +19,9 @@ from kunserve.shared.rpc import insecure_channel
 from .orchestrator import OrchestrationError, Orchestrator
 from kunserve.v1 import (admin_pb2, admin_pb2_grpc, common_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc, worker_pb2,
                          worker_pb2_grpc)
+
+
+LINK_RETRY_S = 10.0  # how long a worker whose transfer links failed is left alone before it is asked again
 
 
 def missing_links(infos: dict[str, worker_pb2.WorkerInfo]) -> dict[str, dict[str, str]]:
@@ -46,6 +50,7 @@ class MemoryManager:
         self.orchestrator = Orchestrator(self, cfg.memory_manager.transition_timeout_s)
         self._infos: dict[str, worker_pb2.WorkerInfo] = {}  # the latest GetInfo of each reachable worker
         self._linking: asyncio.Task | None = None
+        self._link_retry_at: dict[str, float] = {}  # a worker whose links failed is asked again after this
 
     @property
     def worker_ids(self) -> list[str]:
@@ -87,7 +92,8 @@ class MemoryManager:
 
         await asyncio.gather(*(one(w) for w in self._channels))
         if self.cfg.memory_manager.preconnect and (self._linking is None or self._linking.done()):
-            missing = missing_links(self._infos)
+            now = time.monotonic()
+            missing = {w: p for w, p in missing_links(self._infos).items() if self._link_retry_at.get(w, 0.0) <= now}
             if missing:
                 self._linking = asyncio.create_task(self._link(missing))
 
@@ -99,11 +105,12 @@ class MemoryManager:
                                                       for w, a in sorted(peers.items())])
             try:
                 reply = await self.worker_stub(worker_id).ConnectPeers(request, timeout=10.0)
+                failed = dict(reply.failed)
             except grpc.aio.AioRpcError as exc:
-                self.log.warning("transfer_links_failed", worker=worker_id, error=f"{exc.code().name}: {exc.details()}")
-                return
-            if reply.failed:
-                self.log.warning("transfer_links_failed", worker=worker_id, failed=dict(reply.failed))
+                failed = {"*": f"{exc.code().name}: {exc.details()}"}
+            if failed:
+                self._link_retry_at[worker_id] = time.monotonic() + LINK_RETRY_S
+                self.log.warning("transfer_links_failed", worker=worker_id, failed=failed, retry_in_s=LINK_RETRY_S)
             else:
                 self.log.info("transfer_links_open", worker=worker_id, peers=list(reply.linked))
 
