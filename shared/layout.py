@@ -35,7 +35,9 @@ class LayoutState:
                 group_id: str = "", transfer_address: str = "", serving: bool = True,
                 group_members: tuple[str, ...] = (), epoch: int = 0) -> bool:
         """Record what a worker reports it holds; bump the epoch when anything changed. The epoch never falls
-        behind a worker's own (after a memory-manager restart it resumes above every worker's)."""
+        behind a worker's own, so after a memory-manager restart it resumes at the newest transition's epoch
+        (bumps the old memory manager made for reachability changes are not remembered) and the next
+        transition is newer than every earlier one."""
         if num_layers_model and self.num_layers_model and num_layers_model != self.num_layers_model:
             raise ValueError(f"worker {worker_id} serves a {num_layers_model}-layer model, the cluster has "
                              f"{self.num_layers_model} layers")
