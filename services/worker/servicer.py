@@ -259,10 +259,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             host_copy_bytes=m["host_copy_bytes"], generation=m["generation"])
 
     # -- layout transitions (driven by the memory manager) -------------------------------------------------
-    async def _transition(self, context, step):
+    async def _require_transfer(self, context) -> None:
         if self.transitions is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"worker {self.identity.worker_id} runs without a transfer service")
+
+    async def _transition(self, context, step):
+        await self._require_transfer(context)
         try:
             return await step(self.transitions)
         except TransitionRefused as exc:
@@ -284,9 +287,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return await self._transition(context, lambda t: t.abort(request.epoch))
 
     async def ConnectPeers(self, request: worker_pb2.PeerAddresses, context: grpc.aio.ServicerContext):
-        if self.transitions is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"worker {self.identity.worker_id} runs without a transfer service")
+        await self._require_transfer(context)
         peers = {p.worker_id: p.transfer_address for p in request.peers}
         if "" in peers:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "peers: every peer needs a worker_id")
