@@ -119,6 +119,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     yield worker_pb2.WorkerTokenEvent(request_id=rid, token_id=-1, moved_to=item.worker_id)
                     return
                 ev: TokenEvent = item
+                if ev.finish_reason is FinishReason.ERROR:
+                    # This request alone failed (the engine goes on): INTERNAL, which the dispatcher passes to
+                    # its client instead of carrying the request to another worker.
+                    finished = True
+                    await context.abort(grpc.StatusCode.INTERNAL, f"request {rid!r} failed on worker {wid}: "
+                                        f"{ev.error}")
                 if ev.finish_reason is FinishReason.LOST or (
                         ev.finish_reason is FinishReason.ABORTED and ev.token_id < 0 and self.engine.error is not None):
                     finished = True

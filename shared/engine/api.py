@@ -8,6 +8,7 @@ direct library use) rejects bad input with the same message naming the field.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -34,8 +35,8 @@ class SamplingParams:
     def validate(self, vocab_size: int) -> None:
         if self.max_tokens <= 0:
             raise InvalidRequest("max_tokens", f"must be > 0, got {self.max_tokens}")
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise InvalidRequest("temperature", f"must be >= 0, got {self.temperature}")
+        if not (0.0 <= self.temperature < math.inf):  # NaN and inf fail too
+            raise InvalidRequest("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise InvalidRequest("top_k", f"must be >= 0 (0 disables), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
@@ -83,6 +84,7 @@ class FinishReason(enum.Enum):
     EOS = "eos"  # the model's end-of-sequence token
     ABORTED = "aborted"  # cancelled by the client or the system
     LOST = "lost"  # this worker cannot go on with it (group broke, not serving): resume elsewhere (never on the wire)
+    ERROR = "error"  # the engine failed on this request alone (TokenEvent.error says how); never retried elsewhere
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class TokenEvent:
     token_id: int
     index: int  # 0-based position among generated tokens
     finish_reason: FinishReason = FinishReason.NONE
+    error: str = ""  # with FinishReason.ERROR: what failed
 
     @property
     def finished(self) -> bool:
@@ -112,3 +115,6 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int  # cumulative counters; rates are derived by the receiver
     generated_tokens_total: int
+    # Queue time: arrival (the engine's time.monotonic()) of the oldest waiting request that has not started
+    # yet; None when none waits. An arrival, not an age, so a cached snapshot still gives the right age later.
+    oldest_waiting_arrival: float | None = None

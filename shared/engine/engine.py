@@ -25,7 +25,7 @@ from kunserve.shared.engine.accounting import BusyIdle, BusyIdleClock
 from kunserve.shared.engine.api import EngineRequest, EngineStats, FinishReason, InvalidRequest, TokenEvent
 from kunserve.shared.engine.kv_cache import BlockAllocator, BlockTable, KVStorage, TorchKVStorage, blocks_needed
 from kunserve.shared.engine.model_runner import ModelRunner
-from kunserve.shared.engine.sampler import sample
+from kunserve.shared.engine.sampler import sample_rows
 from kunserve.shared.engine.stage_wire import StageBatch
 from kunserve.shared.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence, TokenBudget
 from kunserve.shared.model.config import ModelConfig
@@ -107,6 +107,7 @@ class Engine:
         self.generated_tokens_total = 0
         self.clock = BusyIdleClock()
         self._mb_counter = 0
+        self.consecutive_failed_steps = 0  # batches whose forward raised, in a row (EngineLoop gives up at a bound)
         # Pipeline-group head mode (KunServe §3): later stages reached through `link`; the block-id space
         # is shared by every member, so it is capped at the smallest member's capacity (kv_limit).
         self.link: PipelineLink | None = None
@@ -167,7 +168,11 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        logits, sampled = self._forward(chunks)
+        try:
+            logits, sampled = self._forward(chunks)
+        except Exception as exc:  # a fault computing this batch: its requests fail, the engine goes on
+            return self._fail_batch(chunks, exc)
+        self.consecutive_failed_steps = 0
         for chunk in chunks:
             seq = chunk.seq
             if chunk.start == 0 and seq.num_preemptions == 0:
@@ -175,8 +180,29 @@ class Engine:
             seq.num_computed = chunk.start + chunk.num_tokens
         if not sampled:
             return []
-        tokens = sample(logits, [c.seq.request.sampling for c in sampled], [c.seq.generator for c in sampled])
-        return [self._append(chunk.seq, tok) for chunk, tok in zip(sampled, tokens)]
+        return self._sample(logits, [c.seq for c in sampled])
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenEvent]:
+        """One token per row of logits; a row that cannot be sampled fails its request alone."""
+        tokens = sample_rows(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs])
+        return [self._append(seq, tok) if tok is not None else self.fail(seq.request_id, "the model produced "
+                f"non-finite logits for this request at token {len(seq.generated)}")
+                for seq, tok in zip(seqs, tokens)]
+
+    def fail(self, request_id: str, why: str) -> TokenEvent:
+        """End one request with an ERROR event (its KV blocks are freed): what the engine does instead of
+        dying when a computation fails for it, so the other requests keep running."""
+        seq = self.seqs[request_id]
+        self.abort(request_id)
+        return TokenEvent(request_id, -1, len(seq.generated), FinishReason.ERROR, why)
+
+    def _fail_batch(self, chunks: list[ScheduledChunk], exc: Exception) -> list[TokenEvent]:
+        """The forward pass of a batch raised: no request in it can trust its KV, so each fails (the
+        engine cannot tell which one caused it); requests outside the batch are untouched."""
+        self.consecutive_failed_steps += 1
+        why = f"the engine failed computing a batch with this request: {type(exc).__name__}: {exc}"
+        ids = dict.fromkeys(c.seq.request_id for c in chunks)
+        return [self.fail(rid, why) for rid in ids if rid in self.seqs]
 
     def _build(self, chunks: list[ScheduledChunk]) -> tuple[StageBatch, list[int], list[ScheduledChunk]]:
         """The flat token batch of this step (decodes first, then chunks): what every stage needs, the token
@@ -233,7 +259,11 @@ class Engine:
             chunks = self.scheduler.schedule()
             if chunks:
                 batch, ids, sampled = self._build(chunks)
-                hidden = self._run_local(batch, ids)
+                try:
+                    hidden = self._run_local(batch, ids)
+                except Exception as exc:
+                    return self._fail_batch(chunks, exc)
+                self.consecutive_failed_steps = 0
                 link.send(batch, hidden)
                 for chunk in chunks:
                     seq = chunk.seq
@@ -257,9 +287,7 @@ class Engine:
                 self.scheduler.unpin(chunk.seq)
             live = [i for i, c in enumerate(sampled) if self.seqs.get(c.seq.request_id) is c.seq]  # not aborted
             if live:
-                tokens = sample(logits[torch.tensor(live, dtype=torch.long)],
-                                [sampled[i].seq.request.sampling for i in live], [sampled[i].seq.generator for i in live])
-                events.extend(self._append(sampled[i].seq, tok) for i, tok in zip(live, tokens))
+                events.extend(self._sample(logits[torch.tensor(live, dtype=torch.long)], [sampled[i].seq for i in live]))
         return events
 
     # -- swap preemption (InferCept-like baseline) -------------------------------------------------------
@@ -390,6 +418,7 @@ class Engine:
             num_running=len(sch.running), num_waiting=len(sch.waiting), queued_demand_blocks=sch.queued_demand_blocks(),
             num_preemptions=sch.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
             generated_tokens_total=self.generated_tokens_total,
+            oldest_waiting_arrival=sch.oldest_waiting_arrival(),
         )
 
     # -- convenience for tests and benchmarks -------------------------------------------------------------

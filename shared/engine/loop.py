@@ -5,6 +5,11 @@ Submissions and aborts are commands applied between iterations, so the engine it
 validation happens synchronously in the caller's thread so bad input is rejected at once. Events are
 delivered through per-request callbacks *on the engine thread* (the worker hops them onto its event
 loop with loop.call_soon_threadsafe). The thread sleeps on a condition variable when idle: no spin.
+
+A failure computing one batch fails that batch's requests (an ERROR event each) and the loop goes on:
+one bad request must not take the worker down. Only an engine that keeps failing (MAX_FAILED_STEPS
+batches in a row) or a fault outside any batch stops the thread; ``error`` says why, and the worker
+then reports NOT_SERVING so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,15 @@ from kunserve.shared.engine.engine import Engine, GroupBroken, NotServing
 from kunserve.shared.log import get_logger
 
 EventCallback = Callable[[TokenEvent], None]
+
+
+# A failing batch fails its own requests and the engine goes on; this many failing in a row (no batch
+# succeeding in between) means the engine itself is broken: the loop stops and the worker reports NOT_SERVING.
+MAX_FAILED_STEPS = 8
+
+
+class EngineBroken(RuntimeError):
+    """Batches keep failing whatever they hold: the engine cannot continue."""
 
 
 class EngineStopped(RuntimeError):
@@ -162,6 +176,10 @@ class EngineLoop:
                     self._emit(TokenEvent(arg.request_id, -1, 0, FinishReason.LOST))
                 except InvalidRequest:  # capacity shrank since submit: report it as an abort
                     self._emit(TokenEvent(arg.request_id, -1, 0, FinishReason.ABORTED))
+                except Exception as exc:  # this request alone cannot be taken: it fails, the engine goes on
+                    self.engine.abort(arg.request_id)
+                    self._emit(TokenEvent(arg.request_id, -1, 0, FinishReason.ERROR,
+                                          f"the engine could not take the request: {type(exc).__name__}: {exc}"))
             elif kind == "call":
                 fn, fut = arg  # type: ignore[misc]
                 if fut.set_running_or_notify_cancel():
@@ -218,8 +236,13 @@ class EngineLoop:
                     self.on_group_broken(self.engine, exc)  # raises when healing fails: the loop stops
                     events = []
                 for ev in events:
+                    if ev.finish_reason is FinishReason.ERROR:
+                        self.log.error("request_failed", request_id=ev.request_id, error=ev.error)
                     self._emit(ev)
                 self._stats = self.engine.stats()
+                if self.engine.consecutive_failed_steps >= MAX_FAILED_STEPS:
+                    raise EngineBroken(f"{MAX_FAILED_STEPS} batches in a row failed; the last failure: "
+                                       f"{events[-1].error if events else 'unknown'}")
         except BaseException as exc:  # surface it: every waiting stream gets an ABORTED event below
             self.error = exc
             self.log.exception("engine_crashed")

@@ -1,5 +1,15 @@
 """Token sampling. Greedy rows are one batched argmax; sampled rows use each request's own seeded
-generator, so a seed gives the same tokens whatever else shares the batch."""
+generator, so a seed gives the same tokens whatever else shares the batch.
+
+Numerically safe by construction: a row is shifted by its maximum *before* it is divided by the
+temperature, so every scaled logit is <= 0 and the maximum is exactly 0. Whatever the (finite)
+temperature — 1e-40 included, where a plain ``logits / T`` overflows to inf and softmax to NaN — the
+probabilities are finite, non-negative and sum to 1 (the arg-max's weight is exp(0) = 1, so the
+normaliser is never 0). The arithmetic is float64, where every finite temperature a request can carry
+is non-zero. A row whose *logits* are not finite (a numerical fault in the model for that
+request) cannot be sampled; ``sample_rows`` reports it as ``None`` so the engine fails that request
+alone instead of the whole batch (or the engine thread).
+"""
 
 from __future__ import annotations
 
@@ -8,22 +18,50 @@ import torch
 from kunserve.shared.engine.api import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits [B, vocab] float32 -> one token id per row."""
-    out = logits.argmax(dim=-1).tolist()
+class SamplingFailed(ValueError):
+    """A row's logits were not finite; ``row`` says which."""
+
+    def __init__(self, row: int) -> None:
+        super().__init__(f"row {row}: the model produced non-finite logits")
+        self.row = row
+
+
+def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution one sampled (temperature > 0) row draws from: temperature, then top-k, then top-p.
+    `logits` is one finite row [vocab]; the result is finite, >= 0 and sums to 1."""
+    row = logits.double()  # a float32 scalar would round a subnormal temperature (5e-324) to 0
+    if p.top_k > 0 and p.top_k < row.shape[-1]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    scaled = (row - row.max()) / p.temperature  # <= 0 everywhere, exactly 0 at the arg-max: no overflow
+    probs = torch.softmax(scaled, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, idx = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_probs, 0)
+        drop = cum - sorted_probs > p.top_p  # keep the smallest prefix whose mass reaches top_p (never empty)
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_probs)
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[int | None]:
+    """logits [B, vocab] -> one token id per row, or None for a row whose logits are not finite."""
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    out: list[int | None] = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = logits[i].float() / p.temperature
-        if p.top_k > 0 and p.top_k < row.shape[-1]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, idx = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_probs, 0)
-            drop = cum - sorted_probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_probs)
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+        if not finite[i]:
+            out[i] = None
+        elif not p.greedy:
+            out[i] = int(torch.multinomial(probabilities(logits[i], p), 1, generator=generators[i]).item())
     return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """Like sample_rows, for callers with no per-request failure path: SamplingFailed names the first bad row."""
+    out = sample_rows(logits, params, generators)
+    for i, tok in enumerate(out):
+        if tok is None:
+            raise SamplingFailed(i)
+    return out  # type: ignore[return-value]
