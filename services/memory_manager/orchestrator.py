@@ -6,6 +6,11 @@
              -> Execute on every member (KV exchange over UCX, remap, install) -> refresh -> new epoch
     restore: the same with a group split back into whole instances (requests spread over them).
 
+While it drives a transition it renews every member's lease (``RenewTransition``, every lease / 3): if
+this process dies, each paused member aborts on its own once its lease runs out, and a restarted memory
+manager aborts whatever transition it finds half done (``MemoryManager.abort_orphans``); either way every
+worker ends up serving in a consistent layout.
+
 One transition at a time (a second one gets ABORTED). A failure before Execute aborts every member
 (nothing changed: the report says rolled back and the epoch stays). A failure during Execute makes the
 members that finished heal back to whole instances as well (their requests re-prefill), so the cluster
@@ -21,6 +26,8 @@ from dataclasses import dataclass
 import grpc
 
 from kunserve.shared import planner
+from kunserve.shared.epochs import MAX_EPOCH
+from kunserve.shared.faults import fault_armed, fault_point
 from kunserve.shared.log import get_logger
 from kunserve.shared.transition import Member, SeqMove, TransitionError, UnitDef, assign_restore_targets, assign_tables
 from kunserve.v1 import common_pb2, memory_manager_pb2, worker_pb2, worker_pb2_grpc
@@ -61,12 +68,17 @@ def planned_pb(u: UnitDef, changed: bool = True) -> memory_manager_pb2.PlannedGr
                                         serving=i == 0, reachable=True) for i, m in enumerate(u.members)])
 
 
+ME = "memory-manager"  # who this process is to fault_point
+
+
 class Orchestrator:
-    def __init__(self, mm, timeout_s: float) -> None:
+    def __init__(self, mm, timeout_s: float, lease_s: float = 5.0) -> None:
         self.mm = mm  # services.memory_manager.servicer.MemoryManager: worker stubs + layout
         self.timeout_s = timeout_s
+        self.lease_s = lease_s
         self.lock = asyncio.Lock()
         self.running_epoch = 0
+        self.started_epochs: set[int] = set()  # transitions this process began (the others are orphans)
         self.log = get_logger()
         self._model_cost: planner.ModelCost | None = None
 
@@ -287,13 +299,35 @@ class Orchestrator:
 
         return dict(await asyncio.gather(*(one(w) for w in workers)))
 
+    async def _renew_leases(self, workers: list[str], epoch: int) -> None:
+        """Keep the members' leases alive while this process drives the transition (best effort: a member that
+        cannot be reached fails its step anyway)."""
+        ref = worker_pb2.TransitionRef(epoch=epoch)
+        interval = self.lease_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            await self._each(workers, lambda stub, _: stub.RenewTransition(ref, timeout=interval))
+
     async def _transition(self, op: str, view: ClusterView, old_units: list[UnitDef], new_units: list[UnitDef],
                           t0: float, migrate: tuple[str, str, int] | None = None) -> memory_manager_pb2.TransitionReport:
         epoch = max([self.mm.layout.epoch] + [i.epoch for i in view.infos.values()]) + 1
+        if epoch >= MAX_EPOCH:  # refresh() never takes such an epoch from a worker; this is the last guard
+            raise OrchestrationError("FAILED_PRECONDITION", f"layout epoch {epoch - 1} is at the limit 2**62; "
+                                     "restart the cluster to reset it")
         self.running_epoch = epoch
+        self.started_epochs.add(epoch)
         workers = sorted(w for u in old_units for w in u.worker_ids)
+        renewing = asyncio.create_task(self._renew_leases(workers, epoch))
+        try:
+            return await self._drive(op, view, old_units, new_units, t0, migrate, epoch, workers)
+        finally:
+            renewing.cancel()
+
+    async def _drive(self, op: str, view: ClusterView, old_units: list[UnitDef], new_units: list[UnitDef], t0: float,
+                     migrate: tuple[str, str, int] | None, epoch: int,
+                     workers: list[str]) -> memory_manager_pb2.TransitionReport:
         spec = worker_pb2.TransitionSpec(epoch=epoch, op=op, old_units=[_unit_pb(u) for u in old_units],
-                                         new_units=[_unit_pb(u) for u in new_units])
+                                         new_units=[_unit_pb(u) for u in new_units], lease_s=self.lease_s)
         report = memory_manager_pb2.TransitionReport(op=op, epoch=self.mm.layout.epoch)
         self.log.info("transition_start", op=op, epoch=epoch, new_units=[u.unit_id for u in new_units])
         timeout = self.timeout_s
@@ -305,6 +339,7 @@ class Orchestrator:
         failed = {w: r for w, r in prepared.items() if isinstance(r, Exception)}
         if failed:
             return await self._rollback(report, epoch, workers, failed, "prepare", t0)
+        fault_point("after_prepare", ME)
 
         # 2. block tables in the new units
         capacity = {u.unit_id: min(prepared[w].kv_blocks_after for w in u.worker_ids) for u in new_units}
@@ -335,10 +370,19 @@ class Orchestrator:
         spec.seqs.extend(seqs)
 
         # 3. execute
-        done = await self._each(workers, lambda stub, _: stub.ExecuteTransition(spec, timeout=timeout))
+        executing = asyncio.ensure_future(self._each(workers, lambda stub, _: stub.ExecuteTransition(spec,
+                                                                                                    timeout=timeout)))
+        if fault_armed("in_execute", ME):  # die while the members execute (their RPCs are cancelled)
+            await asyncio.sleep(0.05)
+            fault_point("in_execute", ME)
+        done = await executing
         failed = {w: r for w, r in done.items() if isinstance(r, Exception)}
         if not failed:  # 4. commit: every member resumes, moved streams are handed over
+            fault_point("after_execute", ME)
             ref = worker_pb2.TransitionRef(epoch=epoch)
+            if fault_armed("in_commit", ME):  # die with one member committed and the others still paused
+                await self._each(workers[:1], lambda stub, _: stub.CommitTransition(ref, timeout=timeout))
+                fault_point("in_commit", ME)
             committed = await self._each(workers, lambda stub, _: stub.CommitTransition(ref, timeout=timeout))
             failed = {w: r for w, r in committed.items() if isinstance(r, Exception)}
         if failed:

@@ -16,12 +16,19 @@ Driven by the memory manager (services/memory_manager/orchestrator.py) in two st
 If Execute fails after anything changed, the worker heals to a whole instance and keeps the requests it
 owned as recompute preemptions (prompt + generated tokens re-prefilled: the same greedy tokens), so
 nothing is lost; the memory manager then reports the transition as rolled back.
+
+A transition cannot be orphaned: from Prepare on, the worker holds a *lease* (``TransitionSpec.lease_s``)
+that every step and every ``RenewTransition`` of the memory manager extends. A worker that hears nothing
+for that long (its memory manager died, or hangs) aborts on its own exactly as ``AbortTransition`` would:
+before Execute it resumes unchanged, after it it heals to a whole instance and tells the members of the
+unit it had joined that it left, so a member that did commit breaks its group at once. Steps (prepare,
+execute, commit, abort, the lease's own abort) run one at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,6 +40,7 @@ from kunserve.shared.engine.api import EngineRequest
 from kunserve.shared.engine.engine import Engine, GroupBroken, SeqSnapshot
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
+from kunserve.shared.faults import fault_point
 from kunserve.shared.log import get_logger
 from kunserve.shared.transfer.framing import CONTROL, KV_EXCHANGE
 from kunserve.shared.transfer.service import TransferError, TransferService
@@ -42,17 +50,10 @@ from kunserve.v1 import worker_pb2
 from .group import GroupRole, StageRunner, UcxPipelineLink
 
 
-FAULT_ENV = "KUNSERVE_FAULT"
 PING = "ping"
 LEAVE = "leave"
-
-
-def _fault_point(name: str, worker_id: str) -> None:
-    """Fault injection for the fault-tolerance tests: KUNSERVE_FAULT=<name>:<worker id> kills this
-    worker at that point (as a crash would: no cleanup, no goodbye to its peers)."""
-    if os.environ.get(FAULT_ENV) == f"{name}:{worker_id}":
-        get_logger().error("fault_injected", fault=name)
-        os._exit(70)
+DEFAULT_LEASE_S = 10.0  # a spec without lease_s: how long a paused worker waits for its memory manager
+MAX_LEASE_S = 3600.0
 
 
 class TransitionRefused(RuntimeError):
@@ -131,6 +132,10 @@ class TransitionRunner:
         svc.on_peer_lost(self._peer_lost)
         svc.on_message(CONTROL, self._on_control)  # liveness pings (arriving is all they do) and "leave"
         self._watchdog: asyncio.Task | None = None
+        self._steps = asyncio.Lock()  # one step at a time (the lease's abort included)
+        self._lease_s = DEFAULT_LEASE_S
+        self._lease_until = 0.0  # time.monotonic() after which a prepared, idle transition aborts itself
+        self._lease_task: asyncio.Task | None = None
 
     # -- state ------------------------------------------------------------------------------------------
     @property
@@ -145,9 +150,69 @@ class TransitionRunner:
     def members(self) -> list[str]:
         return list(self.role.members) if self.role is not None else [self.worker_id]
 
+    @property
+    def transition_epoch(self) -> int:
+        """The epoch being prepared or executed (0 when none): what a memory manager would abort."""
+        return self.prepared.spec.epoch if self.prepared is not None else 0
+
+    # -- the lease --------------------------------------------------------------------------------------
+    def _extend_lease(self) -> None:
+        self._lease_until = time.monotonic() + self._lease_s
+
+    def renew(self, epoch: int) -> worker_pb2.TransitionLease:
+        if self.prepared is None or self.prepared.spec.epoch != epoch:
+            raise TransitionRefused("FAILED_PRECONDITION", f"no transition {epoch} in progress here")
+        self._extend_lease()
+        return worker_pb2.TransitionLease(epoch=epoch, expires_in_s=self._lease_s)
+
+    async def _watch_lease(self, epoch: int) -> None:
+        """Abort the prepared transition `epoch` once its lease ran out while no step was running."""
+        while self.prepared is not None and self.prepared.spec.epoch == epoch:
+            left = self._lease_until - time.monotonic()
+            if left > 0 or self._steps.locked():
+                await asyncio.sleep(min(max(left, 0.05), 1.0))
+                continue
+            async with self._steps:
+                p = self.prepared
+                if p is None or p.spec.epoch != epoch or time.monotonic() < self._lease_until:
+                    continue  # a step or a renewal came in meanwhile
+                self.log.error("transition_lease_expired", epoch=epoch, lease_s=self._lease_s, executed=p.executed,
+                               action="healing to a whole instance" if p.executed else "resuming the old layout")
+                joined = self.role if p.executed else None
+                await self._abort(epoch)
+                if joined is not None:
+                    self._tell_members_we_left(joined)
+            return
+
     # -- gRPC steps -------------------------------------------------------------------------------------
     async def prepare(self, spec: worker_pb2.TransitionSpec) -> worker_pb2.TransitionPrepared:
+        async with self._steps:
+            reply = await self._prepare(spec)
+            self._lease_s = spec.lease_s or DEFAULT_LEASE_S
+            self._extend_lease()
+            self._lease_task = asyncio.get_running_loop().create_task(self._watch_lease(spec.epoch))
+            return reply
+
+    async def execute(self, spec: worker_pb2.TransitionSpec) -> worker_pb2.TransitionDone:
+        async with self._steps:
+            try:
+                return await self._execute_step(spec)
+            finally:
+                self._extend_lease()
+
+    async def commit(self, epoch: int) -> worker_pb2.TransitionDone:
+        async with self._steps:
+            return self._commit(epoch)
+
+    async def abort(self, epoch: int) -> worker_pb2.TransitionDone:
+        async with self._steps:
+            return await self._abort(epoch)
+
+    async def _prepare(self, spec: worker_pb2.TransitionSpec) -> worker_pb2.TransitionPrepared:
         self.loop = asyncio.get_running_loop()
+        if not (0.0 <= spec.lease_s <= MAX_LEASE_S) or math.isnan(spec.lease_s):
+            raise TransitionRefused("INVALID_ARGUMENT", f"lease_s: must be in [0, {MAX_LEASE_S:.0f}] s, "
+                                    f"got {spec.lease_s}")
         if self.prepared is not None:
             if self.prepared.spec.epoch == spec.epoch:
                 raise TransitionRefused("ALREADY_EXISTS", f"transition {spec.epoch} is already prepared")
@@ -189,7 +254,7 @@ class TransitionRunner:
             worker_id=self.worker_id, seqs=[snapshot_to_pb(s, self.unit_id, now) for s in owned],
             kv_blocks_after=after, kv_blocks_now=self.engine_loop.stats().kv_blocks_total)
 
-    async def abort(self, epoch: int) -> worker_pb2.TransitionDone:
+    async def _abort(self, epoch: int) -> worker_pb2.TransitionDone:
         """Before Execute: resume the old layout unchanged. After Execute (not committed: another member
         failed): heal to a whole instance keeping this worker's own requests (re-prefilled). After a
         commit into a group: leave the group the same way."""
@@ -216,7 +281,7 @@ class TransitionRunner:
             self.streams.close(rid)
         await self._on_engine(lambda engine: self._heal(engine, p.snapshot))
 
-    async def execute(self, spec: worker_pb2.TransitionSpec) -> worker_pb2.TransitionDone:
+    async def _execute_step(self, spec: worker_pb2.TransitionSpec) -> worker_pb2.TransitionDone:
         p = self.prepared
         if p is None or p.spec.epoch != spec.epoch:
             raise TransitionRefused("FAILED_PRECONDITION", f"transition {spec.epoch} was not prepared here")
@@ -235,7 +300,7 @@ class TransitionRunner:
             raise
         return self._done(spec.epoch, stats)
 
-    async def commit(self, epoch: int) -> worker_pb2.TransitionDone:
+    def _commit(self, epoch: int) -> worker_pb2.TransitionDone:
         """Every member executed: resume in the new layout; streams of requests that left end with moved_to
         (their new head registered them during its Execute, so the dispatcher's attach finds them)."""
         p = self.prepared
@@ -281,7 +346,7 @@ class TransitionRunner:
                                            epoch=spec.epoch, name=f"kv:{spec.epoch}"))
             stats.bytes_sent += data.numel() * data.element_size()
 
-        _fault_point("die_in_exchange", me)
+        fault_point("die_in_exchange", me)
 
         # 3. remap to the new layer range (overlaps the sends on the wire)
         t1 = time.perf_counter()
@@ -502,13 +567,14 @@ class TransitionRunner:
             return
         if not addr:
             raise TransitionRefused("INVALID_ARGUMENT", f"no transfer address for worker {wid}")
-        host, port = addr.rsplit(":", 1)
-        try:
-            got = await self.svc.connect(host, int(port), timeout=timeout_s)
+        host, _, port = addr.rpartition(":")
+        if wid == self.worker_id or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise TransitionRefused("INVALID_ARGUMENT", f"transfer address {addr!r} of worker {wid!r}: expected "
+                                    "host:port of another worker")
+        try:  # expect=wid: a listener with another name is refused before its link is registered
+            await self.svc.connect(host, int(port), timeout=timeout_s, expect=wid)
         except Exception as exc:
             raise TransitionRefused("UNAVAILABLE", f"cannot reach worker {wid} at {addr}: {exc}") from None
-        if got != wid:
-            raise TransitionRefused("FAILED_PRECONDITION", f"{addr} is worker {got!r}, not {wid!r}")
 
     async def _on_engine(self, fn: Callable[[Engine], Any]) -> Any:
         return await asyncio.wait_for(asyncio.wrap_future(self.engine_loop.call(fn)), self.timeout_s)
