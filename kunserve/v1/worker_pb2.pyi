@@ -58,24 +58,34 @@ class SeqState(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., num_preemptions: _Optional[int] = ..., age_s: _Optional[float] = ..., old_blocks: _Optional[_Iterable[int]] = ..., new_blocks: _Optional[_Iterable[int]] = ..., old_unit: _Optional[str] = ..., new_unit: _Optional[str] = ...) -> None: ...
 
 class TransitionSpec(_message.Message):
-    __slots__ = ("epoch", "op", "old_units", "new_units", "seqs")
+    __slots__ = ("epoch", "op", "old_units", "new_units", "seqs", "lease_s")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     OLD_UNITS_FIELD_NUMBER: _ClassVar[int]
     NEW_UNITS_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     op: str
     old_units: _containers.RepeatedCompositeFieldContainer[Unit]
     new_units: _containers.RepeatedCompositeFieldContainer[Unit]
     seqs: _containers.RepeatedCompositeFieldContainer[SeqState]
-    def __init__(self, epoch: _Optional[int] = ..., op: _Optional[str] = ..., old_units: _Optional[_Iterable[_Union[Unit, _Mapping]]] = ..., new_units: _Optional[_Iterable[_Union[Unit, _Mapping]]] = ..., seqs: _Optional[_Iterable[_Union[SeqState, _Mapping]]] = ...) -> None: ...
+    lease_s: float
+    def __init__(self, epoch: _Optional[int] = ..., op: _Optional[str] = ..., old_units: _Optional[_Iterable[_Union[Unit, _Mapping]]] = ..., new_units: _Optional[_Iterable[_Union[Unit, _Mapping]]] = ..., seqs: _Optional[_Iterable[_Union[SeqState, _Mapping]]] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class TransitionRef(_message.Message):
     __slots__ = ("epoch",)
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class TransitionLease(_message.Message):
+    __slots__ = ("epoch", "expires_in_s")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    expires_in_s: float
+    def __init__(self, epoch: _Optional[int] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
 
 class TransitionPrepared(_message.Message):
     __slots__ = ("worker_id", "seqs", "kv_blocks_after", "kv_blocks_now")
@@ -272,7 +282,7 @@ class WorkerTokenEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., moved_to: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "model_name", "num_layers_model", "layer_start", "layer_end", "vocab_size", "max_model_len", "block_size", "kv_blocks_total", "device", "dtype", "transfer_address", "group_id", "group_members", "epoch", "serving", "transitioning", "transfer_peers")
+    __slots__ = ("worker_id", "address", "model_name", "num_layers_model", "layer_start", "layer_end", "vocab_size", "max_model_len", "block_size", "kv_blocks_total", "device", "dtype", "transfer_address", "group_id", "group_members", "epoch", "serving", "transitioning", "transfer_peers", "transition_epoch")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +302,7 @@ class WorkerInfo(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     TRANSITIONING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_PEERS_FIELD_NUMBER: _ClassVar[int]
+    TRANSITION_EPOCH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model_name: str
@@ -311,7 +322,8 @@ class WorkerInfo(_message.Message):
     serving: bool
     transitioning: bool
     transfer_peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers_model: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., transfer_address: _Optional[str] = ..., group_id: _Optional[str] = ..., group_members: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., transitioning: _Optional[bool] = ..., transfer_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    transition_epoch: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers_model: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., transfer_address: _Optional[str] = ..., group_id: _Optional[str] = ..., group_members: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., transitioning: _Optional[bool] = ..., transfer_peers: _Optional[_Iterable[str]] = ..., transition_epoch: _Optional[int] = ...) -> None: ...
 
 class PeerAddress(_message.Message):
     __slots__ = ("worker_id", "transfer_address")

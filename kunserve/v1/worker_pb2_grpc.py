@@ -90,6 +90,11 @@ class WorkerStub:
                 request_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionRef.SerializeToString,
                 response_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionDone.FromString,
                 _registered_method=True)
+        self.RenewTransition = channel.unary_unary(
+                '/kunserve.v1.Worker/RenewTransition',
+                request_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionRef.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionLease.FromString,
+                _registered_method=True)
         self.ConnectPeers = channel.unary_unary(
                 '/kunserve.v1.Worker/ConnectPeers',
                 request_serializer=kunserve_dot_v1_dot_worker__pb2.PeerAddresses.SerializeToString,
@@ -174,6 +179,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewTransition(self, request, context):
+        """The memory manager renews the lease of a transition it is driving (every lease_s / 3). A worker that
+        hears neither a next step nor a renewal for lease_s aborts on its own (as AbortTransition would), so a
+        memory manager that dies mid-transition never leaves a worker paused. FAILED_PRECONDITION: no such
+        transition here (it finished, or the worker gave up on it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ConnectPeers(self, request, context):
         """Open transfer links ahead of need: the memory manager asks once it knows the peers' addresses, so the
         first drop does not pay UCX's connect (0.1-0.3 s here) while requests wait. Linked peers are skipped.
@@ -239,6 +254,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.AbortTransition,
                     request_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionRef.FromString,
                     response_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionDone.SerializeToString,
+            ),
+            'RenewTransition': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewTransition,
+                    request_deserializer=kunserve_dot_v1_dot_worker__pb2.TransitionRef.FromString,
+                    response_serializer=kunserve_dot_v1_dot_worker__pb2.TransitionLease.SerializeToString,
             ),
             'ConnectPeers': grpc.unary_unary_rpc_method_handler(
                     servicer.ConnectPeers,
@@ -543,6 +563,33 @@ class Worker:
             '/kunserve.v1.Worker/AbortTransition',
             kunserve_dot_v1_dot_worker__pb2.TransitionRef.SerializeToString,
             kunserve_dot_v1_dot_worker__pb2.TransitionDone.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewTransition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.Worker/RenewTransition',
+            kunserve_dot_v1_dot_worker__pb2.TransitionRef.SerializeToString,
+            kunserve_dot_v1_dot_worker__pb2.TransitionLease.FromString,
             options,
             channel_credentials,
             insecure,
