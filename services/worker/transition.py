@@ -526,7 +526,14 @@ class TransitionRunner:
             return
         why = f"group member {peer} lost ({error or 'closed'})"
         if role.is_head and self.stage.link is not None:
-            self.stage.link.lost(why)  # the engine thread raises GroupBroken and heals
+            link = self.stage.link
+            link.lost(why)  # a stepping engine thread raises GroupBroken and heals...
+
+            def heal_if_idle(engine: Engine) -> None:  # ...an idle one would only notice at its next request
+                if engine.link is link:
+                    self._heal_on_engine_thread(engine, GroupBroken(why))
+
+            self.engine_loop.call(heal_if_idle)
         else:
             self._stage_failed(why)
 
@@ -568,7 +575,8 @@ class TransitionRunner:
         if not addr:
             raise TransitionRefused("INVALID_ARGUMENT", f"no transfer address for worker {wid}")
         host, _, port = addr.rpartition(":")
-        if wid == self.worker_id or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if (wid == self.worker_id or addr == self.svc.address or not host or not port.isdigit()
+                or not 0 < int(port) < 65536):
             raise TransitionRefused("INVALID_ARGUMENT", f"transfer address {addr!r} of worker {wid!r}: expected "
                                     "host:port of another worker")
         try:  # expect=wid: a listener with another name is refused before its link is registered

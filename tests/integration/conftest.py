@@ -26,8 +26,8 @@ def fresh_cluster(tmp_path):
     """A private cluster for tests that kill or stop services."""
     clusters: list[LocalCluster] = []
 
-    def start(num_workers: int = 2, **engine) -> LocalCluster:
-        c = LocalCluster(make_config(num_workers, **engine), run_dir=tmp_path / f"c{len(clusters)}")
+    def start(num_workers: int = 2, env: dict[str, str] | None = None, **engine) -> LocalCluster:
+        c = LocalCluster(make_config(num_workers, **engine), run_dir=tmp_path / f"c{len(clusters)}", env=env)
         clusters.append(c)
         c.start(timeout_s=120)
         return c

@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import threading
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from helpers import check_against_reference, make_config, run
+from helpers import admin_channel, check_against_reference, internal_channel, make_config, run
 from kunserve import client
 from kunserve.cli.launcher import LocalCluster
 from kunserve.shared.faults import FAULT_ENV, FAULT_EXIT_CODE
@@ -52,14 +53,18 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 async def _workers(c: LocalCluster) -> dict[str, object]:
     out = {}
     for w in c.cfg.workers:
-        async with grpc.aio.insecure_channel(w.address) as ch:
+        async with internal_channel(c, w.address) as ch:
             out[w.id] = await worker_pb2_grpc.WorkerStub(ch).GetInfo(common_pb2.Empty(), timeout=10)
     return out
 
 
 async def _healthy(address: str) -> int:
-    async with grpc.aio.insecure_channel(address) as ch:
-        return (await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)).status
+    """The health status of a service; UNKNOWN while it does not answer (restarting)."""
+    async with grpc.aio.insecure_channel(address) as ch:  # the health service is open (probes)
+        try:
+            return (await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)).status
+        except grpc.aio.AioRpcError:
+            return health_pb2.HealthCheckResponse.UNKNOWN
 
 
 def test_a_pathological_temperature_is_served_and_takes_no_worker_down(cluster):
@@ -130,31 +135,55 @@ def _restart_mm(c: LocalCluster, fault: str | None, lease_s: float | None = None
     c.restart(MM)
 
 
-def _drop_while_decoding(c: LocalCluster, seed: int, heal_within_s: float, after_death=None):
-    """Requests decode on both workers; a drop is asked for and the memory manager dies during it. Returns
-    (the drop call's error, seconds until every worker serves whole again, the generation results)."""
+def _drop_while_decoding(c: LocalCluster, seed: int, heal_within_s: float, restart_after_death: bool = False):
+    """Requests decode on both workers; a drop is asked for and the memory manager dies during it (and is
+    restarted, when asked). Returns (the drop call's error, seconds until every worker serves whole again).
+
+    The client side runs on a thread of its own: the restart must be made by this (the main) thread, since a
+    child gets SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG is per thread)."""
     prompts = _prompts(4, seed)
     max_tokens = 64
+    died, restarted = threading.Event(), threading.Event()
 
     async def go():
         progress: dict = {}
         gen = asyncio.create_task(_generate(c, prompts, max_tokens, progress))
         await _until_decoding(progress, len(prompts), gen)
-        async with grpc.aio.insecure_channel(c.cfg.memory_manager.address) as ch:
-            with pytest.raises(grpc.aio.AioRpcError) as died:
+        async with admin_channel(c) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
                 await memory_manager_pb2_grpc.MemoryManagerStub(ch).Drop(memory_manager_pb2.DropRequest(groups=[
                     memory_manager_pb2.GroupMembers(worker_ids=["worker-0", "worker-1"])]), timeout=60)
         code = await asyncio.to_thread(c.child(MM).proc.wait, 30)
-        if after_death is not None:
-            await asyncio.to_thread(after_death)
+        died.set()
+        if restart_after_death:
+            assert await asyncio.to_thread(restarted.wait, 120)
         healed = await _until_serving_whole(c, heal_within_s)
-        return died.value, code, healed, await asyncio.wait_for(gen, 200)
+        return error.value, code, healed, await asyncio.wait_for(gen, 200)
 
-    died, code, healed, results = run(go(), timeout=300)
+    box: dict = {}
+
+    def client_side() -> None:
+        try:
+            box["value"] = run(go(), timeout=300)
+        except BaseException as exc:  # re-raised on the test's thread
+            box["error"] = exc
+        finally:
+            died.set()
+
+    t = threading.Thread(target=client_side, name="client-side")
+    t.start()
+    died.wait(300)
+    if restart_after_death and "error" not in box:
+        _restart_mm(c, None)
+        restarted.set()
+    t.join(330)
+    if "error" in box:
+        raise box["error"]
+    drop_error, code, healed, results = box["value"]
     assert code == FAULT_EXIT_CODE
     for p, r in zip(prompts, results):
         check_against_reference(p, r.token_ids, max_tokens)
-    return died, healed
+    return drop_error, healed
 
 
 STEPS = ["after_prepare", "in_execute", "after_execute", "in_commit"]
@@ -172,13 +201,12 @@ def test_a_restarted_memory_manager_rolls_back_the_transition_it_finds_half_done
     """The dead memory manager gave a 10-minute lease: the workers would stay paused that long on their own.
     Its successor finds them transitioning in an epoch it never started and aborts it at once."""
     _restart_mm(cluster, "after_prepare", lease_s=600)
-    died, healed = _drop_while_decoding(cluster, seed=11, heal_within_s=30,
-                                        after_death=lambda: _restart_mm(cluster, None))
+    died, healed = _drop_while_decoding(cluster, seed=11, heal_within_s=30, restart_after_death=True)
     assert died.code() == grpc.StatusCode.UNAVAILABLE
     assert "orphaned_transition_aborting" in cluster.child(MM).log_path.read_text()
 
     async def drop_and_restore():  # the rebuilt layout is consistent: a real drop and restore still work
-        async with grpc.aio.insecure_channel(cluster.cfg.memory_manager.address) as ch:
+        async with admin_channel(cluster) as ch:
             mm = memory_manager_pb2_grpc.MemoryManagerStub(ch)
             drop = await mm.Drop(memory_manager_pb2.DropRequest(groups=[
                 memory_manager_pb2.GroupMembers(worker_ids=["worker-0", "worker-1"])]), timeout=120)
@@ -220,7 +248,7 @@ def test_the_supervisor_restarts_a_crashed_and_a_frozen_service(fresh_cluster):
         async with client.insecure_channel(c.cfg.dispatcher.address) as ch:
             results = [await client.generate(ch, client.make_request(prompt, max_tokens=12), timeout=60)
                        for _ in range(4)]  # the router spreads them: the restarted worker serves some
-        async with grpc.aio.insecure_channel(c.cfg.monitor.address) as ch:
+        async with internal_channel(c, c.cfg.monitor.address) as ch:
             while True:
                 status = await monitor_pb2_grpc.MonitorStub(ch).GetClusterStatus(common_pb2.Empty(), timeout=10)
                 if sorted(w.stats.worker_id for w in status.workers if w.healthy) == ["worker-0", "worker-1"]:
@@ -233,3 +261,37 @@ def test_the_supervisor_restarts_a_crashed_and_a_frozen_service(fresh_cluster):
         check_against_reference(prompt, r.token_ids, 12)
     assert any("worker-1 exited with code -9" in line for line in lines), lines
     assert any("monitor has not answered SERVING" in line for line in lines), lines
+
+
+def test_a_worker_whose_engine_keeps_failing_reports_not_serving_and_no_request_is_carried(fresh_cluster):
+    """Injected: every forward pass of worker-1 raises. The requests it takes fail alone with INTERNAL naming
+    them (the dispatcher does not carry them to worker-0); after MAX_FAILED_STEPS failing batches its engine
+    stops, its health answers NOT_SERVING, and everything else is served by worker-0."""
+    from kunserve.shared.engine.loop import MAX_FAILED_STEPS
+
+    c = fresh_cluster(2, env={FAULT_ENV: "engine_fails:worker-1"})
+    prompt = _prompts(1, seed=9)[0]
+
+    async def go():
+        failed, served = [], []
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 120
+        async with client.insecure_channel(c.cfg.dispatcher.address) as ch:
+            while await _healthy(c.cfg.workers[1].address) == health_pb2.HealthCheckResponse.SERVING:
+                assert loop.time() < until, (len(failed), len(served))
+                try:
+                    served.append(await client.generate(ch, client.make_request(prompt, max_tokens=6), timeout=60))
+                except grpc.aio.AioRpcError as exc:
+                    failed.append(exc)
+            after = [await client.generate(ch, client.make_request(prompt, max_tokens=6), timeout=60)
+                     for _ in range(4)]
+        return failed, served, after
+
+    failed, served, after = run(go(), timeout=200)
+    assert len(failed) >= MAX_FAILED_STEPS
+    assert all(e.code() == grpc.StatusCode.INTERNAL and "injected engine fault" in e.details()
+               and "on worker worker-1" in e.details() for e in failed), [e.details() for e in failed]
+    for r in served + after:
+        check_against_reference(prompt, r.token_ids, 6)
+    assert {r.worker_id for r in after} == {"worker-0"}
+    assert "injected engine fault" in c.child("worker-1").log_path.read_text()
