@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -80,7 +79,8 @@ def row(kind: str, rep: int, rpc_s: float, r: memory_manager_pb2.TransitionRepor
 
 async def main_async(args, c: LocalCluster) -> list[dict[str, Any]]:
     rows = []
-    async with grpc.aio.insecure_channel(c.cfg.memory_manager.address) as ch:
+    creds = client.credentials_from(c.cfg, environ={})  # the admin token LocalCluster wrote
+    async with client.admin_channel(c.cfg.memory_manager.address, creds) as ch:
         mm = memory_manager_pb2_grpc.MemoryManagerStub(ch)
         for rep in range(args.repeats):
             progress: dict = {}

@@ -45,10 +45,11 @@ from kunserve.shared.transfer import ACTIVATION, CONTROL, KV_EXCHANGE, TransferC
 from kunserve.shared.transfer.peer import READY
 
 MiB = 1 << 20
+SECRET = "bench-exchange-cluster-secret-0123456789"  # the link handshake's; both processes are ours
 
 
 def start_peer(kv_pool_mib: int = 0) -> tuple[subprocess.Popen, int]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", KUNSERVE_CLUSTER_SECRET=SECRET)
     for k, v in {"UCX_TLS": "tcp", "UCXPY_PROGRESS_MODE": "blocking", "UCX_WARN_UNUSED_ENV_VARS": "n"}.items():
         env.setdefault(k, v)
     proc = subprocess.Popen([sys.executable, "-m", "kunserve.shared.transfer.peer", "--name", "peer",
@@ -81,7 +82,7 @@ def pct(xs: list[float], p: float) -> float | None:
 async def scenario(port: int, name: str, config: TransferConfig, *, kv_bytes: int, acts: int | None,
                    act_bytes: int, interval_s: float) -> dict[str, Any]:
     """Send a KV exchange (if kv_bytes) and activations (a fixed count, or until the exchange ends)."""
-    svc = TransferService(f"driver-{name}", config=config)
+    svc = TransferService(f"driver-{name}", config=config, secret=SECRET.encode())
     await svc.start()
     await svc.connect("127.0.0.1", port, timeout=10)
     await report(svc)  # clears the peer's trace

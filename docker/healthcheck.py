@@ -51,6 +51,20 @@ def find_service(proc_root: str = "/proc") -> tuple[str, list[str]] | None:
     return None
 
 
+def tls_credentials():
+    """The cluster's TLS from the config the services read (None: plaintext); health needs no token."""
+    import grpc
+
+    from kunserve.shared.credentials import load_tls
+    from kunserve.shared.config import load_config
+
+    tls = load_tls(load_config(None).security)
+    if tls is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=tls.root_certs, private_key=tls.client_private_key,
+                                        certificate_chain=tls.client_cert_chain)
+
+
 def service_address() -> str:
     found = find_service()
     if found is None:
@@ -88,7 +102,12 @@ def main(argv: list[str]) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        with grpc.insecure_channel(address) as channel:
+        creds = tls_credentials()
+    except Exception as exc:  # noqa: BLE001 - any failure is "unhealthy", reported in one line
+        print(f"healthcheck: {exc}", file=sys.stderr)
+        return 1
+    try:
+        with (grpc.secure_channel(address, creds) if creds is not None else grpc.insecure_channel(address)) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S)
     except grpc.RpcError as exc:
         print(f"healthcheck: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)

@@ -1,4 +1,9 @@
-"""A small gRPC client for the dispatcher: what `kunserve generate`, the benchmarks and tests use."""
+"""A small gRPC client for the dispatcher: what `kunserve generate`, the benchmarks and tests use.
+
+Credentials: `credentials_from(cfg)` finds the API key (when one is configured) and the admin token the
+way every tool does (environment, the config's [security] files, the default files `kunserve up` writes;
+see kunserve/shared/credentials.py); `dispatcher_channel` / `admin_channel` present them.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,39 @@ from typing import AsyncIterator, Sequence
 
 import grpc
 
+from kunserve.shared import credentials
+from kunserve.shared.config import ClusterConfig
 from kunserve.shared.convert import FINISH_NAMES
-from kunserve.shared.rpc import insecure_channel
+from kunserve.shared.rpc import TLS, channel, insecure_channel
 from kunserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What a client tool presents: the API key to the dispatcher, the admin token to the admin port
+    (each None when there is none), and TLS when the cluster serves it."""
+
+    api_key: str | None = None
+    admin_token: str | None = None
+    tls: TLS | None = None
+
+
+def credentials_from(cfg: ClusterConfig, environ=None, admin_token_file: str | None = None) -> Credentials:
+    """The credentials the lookup finds for `cfg` (raises credentials.CredentialError for an unusable one)."""
+    sec = cfg.security
+    return Credentials(api_key=credentials.find(credentials.API_KEY, sec, environ),
+                       admin_token=credentials.find(credentials.ADMIN_TOKEN, sec, environ, admin_token_file),
+                       tls=credentials.load_tls(sec))
+
+
+def dispatcher_channel(address: str, creds: Credentials | None = None) -> grpc.aio.Channel:
+    creds = creds or Credentials()
+    return channel(address, token=creds.api_key, tls=creds.tls)
+
+
+def admin_channel(address: str, creds: Credentials | None = None) -> grpc.aio.Channel:
+    creds = creds or Credentials()
+    return channel(address, token=creds.admin_token, tls=creds.tls)
 
 
 @dataclass
@@ -86,4 +121,5 @@ async def cancel(channel: grpc.aio.Channel, request_id: str) -> bool:
     return resp.cancelled
 
 
-__all__ = ["GenerationResult", "make_request", "stream", "generate", "cancel", "insecure_channel"]
+__all__ = ["Credentials", "GenerationResult", "admin_channel", "cancel", "credentials_from", "dispatcher_channel",
+           "generate", "insecure_channel", "make_request", "stream"]

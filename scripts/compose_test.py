@@ -45,6 +45,7 @@ import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache" / "compose-test"
+SECRETS = CACHE / "secrets"
 COMPOSE_FILE = ROOT / "compose.yaml"
 CONFIG_FILE = ROOT / "configs" / "cluster.toml"
 PROJECT = "kunserve-compose-test"
@@ -512,7 +513,8 @@ def run_cluster(daemon: Daemon, compose: Compose, client_port: int, admin_port: 
         from_client = generate_with_retries(
             [*compose.cli, "run", "--rm", "--no-deps", "-T", "dispatcher", "kunserve",
              *generate_cmd("dispatcher:50051")], env, "compose, from a client container (dispatcher:50051)")
-        status = run([BIN / "kunctl", "--address", f"127.0.0.1:{admin_port}", "status"], timeout=60,
+        status = run([BIN / "kunctl", "--address", f"127.0.0.1:{admin_port}", "--token-file",
+                      SECRETS / "admin-token", "status"], timeout=60,
                      env=env, capture=True)
         print(status.stdout.rstrip(), flush=True)
         stop_and_check_exit_codes(daemon, compose)
@@ -573,7 +575,11 @@ def main(argv: list[str]) -> int:
 
             client_port, admin_port = free_port(), free_port()
             env = {k: v for k, v in daemon.env.items() if not k.startswith("KUNSERVE")}
-            env.update(KUNSERVE_TAG=TAG, KUNSERVE_CLIENT_PORT=str(client_port), KUNSERVE_ADMIN_PORT=str(admin_port))
+            env.update(KUNSERVE_TAG=TAG, KUNSERVE_CLIENT_PORT=str(client_port), KUNSERVE_ADMIN_PORT=str(admin_port),
+                       KUNSERVE_SECRETS_DIR=str(SECRETS))
+            from kunserve.cli.secrets import write_compose_secrets
+
+            write_compose_secrets(SECRETS)  # the compose Secrets: cluster secret, admin token
             cli = compose_cli(docker, env)
             if cli == ["docker-compose"]:  # v1 builds through the API itself, with the classic builder
                 env.update(COMPOSE_DOCKER_CLI_BUILD="0", DOCKER_BUILDKIT="0")

@@ -12,7 +12,9 @@ import sys
 import structlog
 
 from kunserve.cli.launcher import die_with_parent_if_asked
+from kunserve.shared import rpc
 from kunserve.shared.config import ClusterConfig, ConfigError, ServiceSection, load_config
+from kunserve.shared.credentials import CredentialError, ServiceCredentials, service_credentials
 from kunserve.shared.log import configure_logging
 
 
@@ -47,3 +49,16 @@ def load_service_config(args: argparse.Namespace, service: str, *, section: str 
     context = {"worker": worker_id} if worker_id else {}
     log = configure_logging(service, fmt=cfg.logging.format, level=cfg.logging.level, **context)
     return cfg, log
+
+
+def load_service_credentials(cfg: ClusterConfig, service: str, *, admin: bool = False,
+                             api_key: bool = False) -> ServiceCredentials:
+    """This service's credentials (exit with a one-line error when one is missing); its channels carry
+    the cluster secret and the cluster TLS from here on."""
+    try:
+        creds = service_credentials(cfg, admin=admin, api_key=api_key)
+    except CredentialError as exc:
+        print(f"{service}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    rpc.configure_client(creds.cluster_secret, creds.tls)
+    return creds

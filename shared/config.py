@@ -60,6 +60,18 @@ class DispatcherSection(ServiceSection):
     # How long a request may wait for a routable worker (all busy forming a group, or restarting)
     # before the client gets UNAVAILABLE.
     route_timeout_s: float = 30.0
+    # Admission control: beyond these bounds a request is refused at once with RESOURCE_EXHAUSTED and a
+    # retry hint (the message and the grpc-retry-pushback-ms trailer), so an accepted one is never starved.
+    max_inflight_per_worker: int = 0  # requests in flight per routable worker; 0 = engine.max_num_seqs
+    max_queued_prompt_tokens: int = 0  # prompt tokens of accepted requests without a first token yet;
+    #                                    0 = the routable workers' KV capacity in tokens
+    queue_timeout_s: float = 30.0  # an accepted request with no first token by then: RESOURCE_EXHAUSTED
+    # Prompt limits, checked before a prompt is tokenized or forwarded (and the gRPC message size limit).
+    max_prompt_tokens: int = 0  # 0 = the model's context (config.json max_position_embeddings)
+    max_prompt_bytes: int = 0  # text prompts; 0 = 32 bytes per token of max_prompt_tokens
+    # Liveness: a worker whose stats stop answering, or whose engine has running requests but makes no
+    # progress, for this long is taken out of routing and its requests resume elsewhere.
+    stall_timeout_s: float = 3.0
 
 
 @dataclass
@@ -67,6 +79,9 @@ class MemoryManagerSection(ServiceSection):
     port: int = 50052
     transition_timeout_s: float = 60.0  # one worker's prepare / execute of a drop or restore
     preconnect: bool = True  # link every worker pair over UCX ahead of the first drop (saves 0.1-0.3 s of it)
+    # A worker paused for a transition aborts it on its own after this long without a step or a renewal
+    # (the memory manager renews every lease / 3): a dead memory manager never leaves workers paused.
+    transition_lease_s: float = 5.0
 
 
 @dataclass
@@ -124,6 +139,22 @@ class SLOSection:
 
 
 @dataclass
+class SecuritySection:
+    # Credentials (README "Security"). Each *_file is a path to a file holding one token; empty = the
+    # environment variable, else the default file under $KUNSERVE_HOME (~/.kunserve) that `kunserve up` writes.
+    cluster_secret_file: str = ""  # every internal RPC and the UCX handshake ($KUNSERVE_CLUSTER_SECRET)
+    admin_token_file: str = ""  # kunctl on the admin port ($KUNSERVE_ADMIN_TOKEN)
+    api_key_file: str = ""  # clients' Generate / Cancel ($KUNSERVE_API_KEY); none = the client API is open
+    # Optional TLS: PEM files. tls_cert_file + tls_key_file turn it on for every service (the certificate
+    # names every service host); tls_ca_file verifies it; a client certificate as well = mutual TLS.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
+    tls_client_cert_file: str = ""
+    tls_client_key_file: str = ""
+
+
+@dataclass
 class LoggingSection:
     format: str = "auto"  # auto (pretty on a terminal, JSON otherwise) | json | console
     level: str = "info"
@@ -140,6 +171,7 @@ class ClusterConfig:
     policy: PolicySection = field(default_factory=PolicySection)
     slo: SLOSection = field(default_factory=SLOSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    security: SecuritySection = field(default_factory=SecuritySection)
     source: str = "<defaults>"  # where it was loaded from, for messages
 
     def worker(self, worker_id: str) -> WorkerSection:
@@ -320,8 +352,27 @@ def validate(cfg: ClusterConfig) -> None:
     if cfg.dispatcher.route_timeout_s < 0 or cfg.memory_manager.transition_timeout_s <= 0:
         raise ConfigError(f"{src}: dispatcher.route_timeout_s must be >= 0 and "
                           "memory_manager.transition_timeout_s > 0")
+    d = cfg.dispatcher
+    for key in ("max_inflight_per_worker", "max_queued_prompt_tokens", "max_prompt_tokens", "max_prompt_bytes"):
+        if getattr(d, key) < 0:
+            raise ConfigError(f"{src}: dispatcher.{key} must be >= 0 (0 = automatic), got {getattr(d, key)}")
+    if not (d.queue_timeout_s > 0 and d.stall_timeout_s > 0):
+        raise ConfigError(f"{src}: dispatcher.queue_timeout_s and dispatcher.stall_timeout_s must be > 0")
+    _validate_security(cfg.security, src)
+    if not 0.1 <= cfg.memory_manager.transition_lease_s <= 3600:
+        raise ConfigError(f"{src}: memory_manager.transition_lease_s must be in [0.1, 3600], "
+                          f"got {cfg.memory_manager.transition_lease_s}")
     if cfg.logging.format not in ("auto", "json", "console"):
         raise ConfigError(f"{src}: logging.format must be auto, json or console, got {cfg.logging.format!r}")
+
+
+def _validate_security(sec: SecuritySection, src: str) -> None:
+    """TLS files come in pairs, and a client certificate (mutual TLS) needs server TLS to go with it."""
+    for a, b in (("tls_cert_file", "tls_key_file"), ("tls_client_cert_file", "tls_client_key_file")):
+        if bool(getattr(sec, a)) != bool(getattr(sec, b)):
+            raise ConfigError(f"{src}: security.{a} and security.{b} must be set together")
+    if sec.tls_client_cert_file and not sec.tls_cert_file:
+        raise ConfigError(f"{src}: security.tls_client_cert_file (mutual TLS) needs security.tls_cert_file too")
 
 
 def load_config(path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None) -> ClusterConfig:

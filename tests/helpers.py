@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 
 from kunserve import client
 from kunserve.cli.launcher import assign_free_ports, with_workers
@@ -24,6 +25,25 @@ def make_config(num_workers: int = 2, **engine):
     for k, v in engine.items():
         setattr(cfg.engine, k, v)
     return cfg
+
+
+def kunctl_argv(cluster, *args) -> list[str]:
+    """`python -m kunserve.cli.kunctl` against a LocalCluster with the credentials of its run dir (the
+    config it wrote names them), as a user would with --config."""
+    return [sys.executable, "-m", "kunserve.cli.kunctl", "--config", str(cluster.config_path), *args]
+
+
+def internal_channel(cluster, address: str):
+    """A channel that presents the cluster secret, as a service does (tests that call workers directly)."""
+    from kunserve.shared import credentials, rpc
+
+    return rpc.channel(address, token=credentials.read_token(cluster.cfg.security.cluster_secret_file,
+                                                              credentials.CLUSTER_SECRET))
+
+
+def admin_channel(cluster):
+    """A channel to the admin port with the admin token, as kunctl opens it."""
+    return client.admin_channel(cluster.cfg.memory_manager.address, client.credentials_from(cluster.cfg, environ={}))
 
 
 def run(coro, timeout: float = 120.0):

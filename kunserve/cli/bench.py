@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from kunserve import client
 from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_ports, with_workers
 from kunserve.cli.replay import ClusterUnreachable, ReplayOutcome, drop_periods, replay
 from kunserve.shared.benchstats import RequestResult, best_p50, summarize
@@ -101,7 +102,8 @@ def _progress(total: int, label: str):
 
 
 def replay_with_progress(trace: Sequence[TraceRequest], address: str, admin_address: str | None, *, label: str,
-                         seed: int, timeout_s: float, stop_flag: list[bool]) -> ReplayOutcome:
+                         seed: int, timeout_s: float, stop_flag: list[bool],
+                         creds: client.Credentials | None = None) -> ReplayOutcome:
     """Run `replay` under a rich progress bar; `stop_flag[0]` turning True (a signal handler) interrupts."""
     progress = _progress(len(trace), label)
     task = progress.add_task(label, total=len(trace), info="")
@@ -122,7 +124,7 @@ def replay_with_progress(trace: Sequence[TraceRequest], address: str, admin_addr
         watcher = asyncio.ensure_future(watch())
         try:
             return await replay(trace, address, admin_address=admin_address, seed=seed, timeout_s=timeout_s,
-                                stop=stop, on_done=done)
+                                stop=stop, on_done=done, creds=creds)
         finally:
             watcher.cancel()
 
@@ -210,8 +212,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     console = _console()
     trace, source = build_trace(args)
-    address, admin = _addresses(args)
-    if admin and not asyncio.run(health_check(admin, timeout=2.0)):
+    address, admin, creds = _addresses(args)
+    if admin and not asyncio.run(health_check(admin, timeout=2.0, tls=creds.tls)):
         console.print(f"[yellow]warning[/]: the admin service at {admin} does not answer: no KV usage / drop "
                       "sampling (give --admin HOST:PORT, or --admin '' to silence this)")
         admin = None
@@ -220,7 +222,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"(policy label: {args.policy}) -> {out}")
     stop_flag = _interrupt_flag()
     outcome = replay_with_progress(trace, address, admin, label=args.policy, seed=args.seed,
-                                   timeout_s=args.request_timeout, stop_flag=stop_flag)
+                                   timeout_s=args.request_timeout, stop_flag=stop_flag, creds=creds)
     doc = run_record(outcome, policy=args.policy, trace_source=source, trace=trace,
                      cluster={"dispatcher": address, "admin": admin})
     _write_json(out / "result.json", doc)
@@ -233,16 +235,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _addresses(args: argparse.Namespace) -> tuple[str, str | None]:
-    cfg: ClusterConfig | None = None
-    if not args.address or args.admin is None:
-        try:
-            cfg = load_config(args.config)
-        except ConfigError as exc:
-            raise BenchError(f"config error: {exc}") from None
+def _addresses(args: argparse.Namespace) -> tuple[str, str | None, client.Credentials]:
+    """The dispatcher and admin addresses, and the credentials the config (or the defaults) point to."""
+    try:
+        cfg = load_config(args.config)
+        creds = client.credentials_from(cfg)
+    except ConfigError as exc:  # CredentialError is one
+        raise BenchError(f"config error: {exc}") from None
     address = args.address or cfg.dispatcher.address
     admin = args.admin if args.admin is not None else cfg.memory_manager.address
-    return address, (admin or None)
+    return address, (admin or None), creds
 
 
 # -- compare ---------------------------------------------------------------------------------------------------
@@ -352,7 +354,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         try:
             time.sleep(args.settle)  # the first stats reports reach the monitor; static-pp pairs form
             outcome = replay_with_progress(trace, cfg.dispatcher.address, cfg.memory_manager.address, label=policy,
-                                           seed=args.seed, timeout_s=args.request_timeout, stop_flag=stop_flag)
+                                           seed=args.seed, timeout_s=args.request_timeout, stop_flag=stop_flag,
+                                           creds=client.credentials_from(cluster.cfg, environ={}))
         finally:
             cluster.stop()
         docs[policy] = run_record(outcome, policy=policy, trace_source=source, trace=trace,

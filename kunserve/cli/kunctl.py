@@ -1,5 +1,7 @@
 """`kunctl`: the admin CLI. Talks to the admin port (served by the memory manager: the Admin and
-MemoryManager services share it)."""
+MemoryManager services share it) with the admin token, found in this order: --token-file,
+$KUNSERVE_ADMIN_TOKEN, the config's [security] admin_token_file (--config / $KUNSERVE_CONFIG), the file
+`kunserve up` writes ($KUNSERVE_HOME/admin-token, default ~/.kunserve/admin-token)."""
 
 from __future__ import annotations
 
@@ -15,31 +17,47 @@ from decimal import Decimal, InvalidOperation
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from kunserve import client
 from kunserve.shared.config import ConfigError, load_config
-from kunserve.shared.rpc import insecure_channel
+from kunserve.shared.credentials import ADMIN_TOKEN, default_path
 from kunserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, memory_manager_pb2, memory_manager_pb2_grpc
 
 
-def _address(args: argparse.Namespace) -> str:
-    if args.address:
-        return args.address
+@dataclass(frozen=True)
+class Target:
+    """The admin port and what to present there."""
+    address: str
+    creds: client.Credentials
+
+
+def _target(args: argparse.Namespace) -> Target:
+    """The admin address (--address, else the config) and the credentials (see the module docstring); no
+    admin token anywhere is a one-line error."""
     try:
-        return load_config(args.config).memory_manager.address
-    except ConfigError as exc:
+        cfg = load_config(args.config)
+        creds = client.credentials_from(cfg, admin_token_file=args.token_file)
+    except ConfigError as exc:  # CredentialError is one
         raise SystemExit(f"kunctl: config error: {exc}") from None
+    if creds.admin_token is None:
+        raise SystemExit(f"kunctl: no admin token: give --token-file, set ${ADMIN_TOKEN.env}, set [security] "
+                         f"admin_token_file in --config, or start the cluster with `kunserve up` (it writes "
+                         f"{default_path(ADMIN_TOKEN)})")
+    return Target(args.address or cfg.memory_manager.address, creds)
 
 
-async def _call(address: str, fn, stub_cls=admin_pb2_grpc.AdminStub):
-    async with insecure_channel(address) as ch:
+async def _call(target: Target, fn, stub_cls=admin_pb2_grpc.AdminStub):
+    async with client.admin_channel(target.address, target.creds) as ch:
         return await fn(stub_cls(ch))
 
 
-def _rpc(address: str, fn, stub_cls=admin_pb2_grpc.AdminStub):
+def _rpc(target: Target, fn, stub_cls=admin_pb2_grpc.AdminStub):
     """Run one call; a gRPC error becomes a one-line message (status code name, details) and exit code 1."""
     try:
-        return asyncio.run(_call(address, fn, stub_cls))
+        return asyncio.run(_call(target, fn, stub_cls))
     except grpc.aio.AioRpcError as exc:
-        print(f"kunctl: {exc.code().name}: {exc.details()} (admin address {address})", file=sys.stderr)
+        hint = (" (is the admin token the one this cluster was started with?)"
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED else "")
+        print(f"kunctl: {exc.code().name}: {exc.details()}{hint} (admin address {target.address})", file=sys.stderr)
         raise SystemExit(1) from None
 
 
@@ -136,7 +154,9 @@ def render_status(status) -> None:
                   ("yes" if serving else "no") + (" (transitioning)" if s.transitioning else ""),
                   "[green]yes[/]" if ws.healthy else f"[red]no[/] ({ws.last_report_age_s:.0f}s)",
                   f"{s.kv_blocks_used}/{s.kv_blocks_total}", f"{100 * ws.kv_usage:.1f}", str(s.num_running),
-                  str(s.num_waiting), str(s.queued_demand_blocks), f"{ws.prompt_tokens_per_s:.1f}",
+                  # queue time: how long the oldest request not started yet has waited (what its client sees)
+                  f"{s.num_waiting} (oldest {s.oldest_waiting_age_s:.1f}s)" if s.oldest_waiting_age_s > 0
+                  else str(s.num_waiting), str(s.queued_demand_blocks), f"{ws.prompt_tokens_per_s:.1f}",
                   f"{ws.generated_tokens_per_s:.1f}", str(s.num_preemptions),
                   # idle while requests were queued / (busy + that), since the worker started
                   f"{100 * s.bubble_ratio:.1f}" if s.busy_seconds_total > 0 else "-")
@@ -158,7 +178,7 @@ def render_status(status) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> None:
-    status = _rpc(_address(args), lambda stub: stub.GetStatus(common_pb2.Empty(), timeout=args.timeout))
+    status = _rpc(_target(args), lambda stub: stub.GetStatus(common_pb2.Empty(), timeout=args.timeout))
     if args.json:
         print(json.dumps(MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
     else:
@@ -229,19 +249,19 @@ def _print(msg, as_json: bool, render) -> None:
 
 
 def cmd_memory(args: argparse.Namespace) -> None:
-    m = _rpc(_address(args), lambda stub: stub.GetWorkerMemory(admin_pb2.WorkerRef(worker_id=args.worker),
+    m = _rpc(_target(args), lambda stub: stub.GetWorkerMemory(admin_pb2.WorkerRef(worker_id=args.worker),
                                                               timeout=args.timeout))
     _print(m, args.json, render_memory)
 
 
 def cmd_drop_layers(args: argparse.Namespace) -> None:
-    c = _rpc(_address(args), lambda stub: stub.DropWorkerLayers(
+    c = _rpc(_target(args), lambda stub: stub.DropWorkerLayers(
         admin_pb2.WorkerLayersRequest(worker_id=args.worker, layers=args.layers), timeout=max(args.timeout, 60)))
     _print(c, args.json, render_change)
 
 
 def cmd_restore_layers(args: argparse.Namespace) -> None:
-    c = _rpc(_address(args), lambda stub: stub.RestoreWorkerLayers(
+    c = _rpc(_target(args), lambda stub: stub.RestoreWorkerLayers(
         admin_pb2.WorkerLayersRequest(worker_id=args.worker, layers=args.layers, source=args.source or ""),
         timeout=max(args.timeout, 300)))
     _print(c, args.json, render_change)
@@ -373,7 +393,7 @@ def format_report(rep) -> str:
 
 
 def _mm_rpc(args: argparse.Namespace, fn):
-    return _rpc(_address(args), fn, memory_manager_pb2_grpc.MemoryManagerStub)
+    return _rpc(_target(args), fn, memory_manager_pb2_grpc.MemoryManagerStub)
 
 
 def _finish_transition(rep, args: argparse.Namespace) -> None:
@@ -405,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kunctl", description="KunServe admin CLI.")
     p.add_argument("--config", help="cluster config file (TOML); default $KUNSERVE_CONFIG or built-in defaults")
     p.add_argument("--address", help="admin host:port (the memory manager; default: from the config)")
+    p.add_argument("--token-file", help="file holding the admin token (default: $KUNSERVE_ADMIN_TOKEN, the config's "
+                                        "[security] admin_token_file, then the file `kunserve up` writes)")
     p.add_argument("--timeout", type=float, default=5.0)
     sub = p.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="workers, KV usage, load and layout as a table")

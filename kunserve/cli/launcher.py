@@ -20,7 +20,10 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Callable
 
+from kunserve.shared import credentials
+from kunserve.cli.supervisor import RestartPolicy, Supervisor
 from kunserve.shared.config import ClusterConfig, WorkerSection
 from kunserve.shared.rpc import health_check
 
@@ -120,6 +123,7 @@ class LocalCluster:
         self.config_path = self.run_dir / "cluster.toml"
         self.env = {**os.environ, **(env or {})}
         self.children: list[Child] = []
+        self.supervisor: Supervisor | None = None
 
     # -- layout -------------------------------------------------------------------------------------
     def _plan(self) -> list[Child]:
@@ -149,10 +153,35 @@ class LocalCluster:
         env = dict(self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.pop("KUNSERVE_CONFIG", None)  # the written file is the one truth for the children
+        for kind in credentials.KINDS:  # ...and names every credential file (write_credentials)
+            env.pop(kind.env, None)
         env[PARENT_PID_ENV] = str(os.getpid())
         return env
 
+    def write_credentials(self) -> None:
+        """Give the cluster its credentials: one the config names stays; else the one in the environment (so
+        tools that read it agree), else a new one (not for the API key: without one the client API is open),
+        written to a file in the run dir (mode 0600) that the config written for the children names. The
+        user's default files (~/.kunserve) are never touched here: many clusters (the tests) run side by side."""
+        sec = self.cfg.security
+        for kind in credentials.KINDS:
+            if getattr(sec, kind.config_key):
+                continue
+            token = self.env.get(kind.env) or (credentials.new_token() if kind.default_file else None)
+            if token is None:
+                continue
+            path = self.run_dir / kind.name.lower().replace(" ", "-")
+            path.unlink(missing_ok=True)  # a run dir used again gets fresh credentials
+            credentials.write_token(path, token)
+            setattr(sec, kind.config_key, str(path))
+
+    @property
+    def tls(self):
+        """The cluster's TLS (None: plaintext), for this process's health checks."""
+        return credentials.load_tls(self.cfg.security)
+
     def start(self, timeout_s: float = 120.0, progress=None) -> None:
+        self.write_credentials()
         self.config_path.write_text(self.cfg.to_toml())
         env = self._child_env()
         # Any failure (a later Popen, a log file that cannot be opened, Ctrl-C, a child that never gets
@@ -160,9 +189,7 @@ class LocalCluster:
         try:
             for c in self._plan():
                 self.children.append(c)  # before Popen: stop() skips it while c.proc is None
-                with open(c.log_path, "ab") as fh:
-                    c.proc = subprocess.Popen(c.argv, stdout=fh, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, env=env)
+                self._popen(c, env)
             asyncio.run(self._wait_healthy(timeout_s, progress))
         except BaseException:
             self.stop()
@@ -170,6 +197,7 @@ class LocalCluster:
 
     async def _wait_healthy(self, timeout_s: float, progress) -> None:
         deadline = time.monotonic() + timeout_s
+        tls = self.tls
         pending = {c.name: c for c in self.children}
         while pending:
             for c in list(pending.values()):
@@ -177,7 +205,7 @@ class LocalCluster:
                 if code is not None:
                     raise ClusterStartError(f"{c.name} exited with code {code} while starting; "
                                             f"last lines of {c.log_path}:\n{c.log_tail()}")
-            results = await asyncio.gather(*(health_check(c.address, timeout=0.5) for c in pending.values()))
+            results = await asyncio.gather(*(health_check(c.address, timeout=0.5, tls=tls) for c in pending.values()))
             for c, ok in zip(list(pending.values()), results):
                 if ok:
                     del pending[c.name]
@@ -200,16 +228,29 @@ class LocalCluster:
             c.proc.send_signal(sig)
             c.proc.wait(timeout=30)
 
+    @staticmethod
+    def _popen(c: Child, env: dict[str, str]) -> None:
+        with open(c.log_path, "ab") as fh:
+            c.proc = subprocess.Popen(c.argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    def spawn(self, name: str) -> None:
+        """Start one (exited) service again with the same command, config and log file; does not wait."""
+        self._popen(self.child(name), self._child_env())
+
+    def supervise(self, policy: RestartPolicy | None = None, report: Callable[[str], None] = print) -> Supervisor:
+        """Restart services that exit or stop answering SERVING (with backoff), until stop()."""
+        self.supervisor = Supervisor(self, policy, report)
+        self.supervisor.start()
+        return self.supervisor
+
     def restart(self, name: str, timeout_s: float = 60.0, sig: int = signal.SIGKILL) -> None:
         """Kill one service (SIGKILL by default: a crash) and start it again with the same command and config,
         then wait until it is healthy: the way tests check that a service rebuilds its state."""
         c = self.child(name)
         self.kill(name, sig)
-        with open(c.log_path, "ab") as fh:
-            c.proc = subprocess.Popen(c.argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=self._child_env())
+        self.spawn(name)
         deadline = time.monotonic() + timeout_s
-        while not asyncio.run(health_check(c.address, timeout=0.5)):
+        while not asyncio.run(health_check(c.address, timeout=0.5, tls=self.tls)):
             if c.proc.poll() is not None:
                 raise ClusterStartError(f"{name} exited with code {c.proc.returncode} after a restart; "
                                         f"last lines of {c.log_path}:\n{c.log_tail()}")
@@ -219,6 +260,9 @@ class LocalCluster:
 
     def stop(self, grace_s: float = 10.0) -> dict[str, int | None]:
         """SIGTERM everything (dispatcher first so clients get a clear status), then SIGKILL stragglers."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
         for c in reversed(self.children):
             if c.proc is not None and c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)

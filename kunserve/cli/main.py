@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import threading
@@ -16,6 +17,7 @@ import grpc
 
 from kunserve import client
 from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_ports, with_workers
+from kunserve.shared import credentials
 from kunserve.shared.config import ClusterConfig, ConfigError, load_config
 
 DEMO_PROMPT = "KunServe keeps tail latency flat when"
@@ -49,6 +51,10 @@ def cmd_up(args: argparse.Namespace) -> None:
         with_workers(cfg, args.workers)
     if args.free_ports:
         assign_free_ports(cfg)
+    try:
+        _default_credentials(cfg)
+    except (OSError, ConfigError) as exc:
+        _fail(f"cannot set up the cluster's credentials: {exc}")
     cluster = LocalCluster(cfg, run_dir=args.run_dir)
     model = cfg.model.path or "embedded tiny model (seeded random weights)"
     console.print(f"[bold]Starting KunServe[/]: {len(cfg.workers)} workers, model: {model}")
@@ -79,7 +85,8 @@ def cmd_up(args: argparse.Namespace) -> None:
         # Ctrl-C / SIGTERM during the demo end the generation at once (the handlers above only set `stop`,
         # which the generation watches) and then stop the cluster like Ctrl-C while serving does.
         code = _generate_to_terminal(cfg.dispatcher.address, client.make_request(
-            DEMO_PROMPT, max_tokens=args.demo_tokens, ignore_eos=True), as_json=False, timeout=120, stop=stop)
+            DEMO_PROMPT, max_tokens=args.demo_tokens, ignore_eos=True), as_json=False, timeout=120, stop=stop,
+            creds=client.credentials_from(cluster.cfg))
         if code or stop.is_set():
             _stop_cluster(cluster, console)
             raise SystemExit(code)
@@ -87,13 +94,27 @@ def cmd_up(args: argparse.Namespace) -> None:
         cluster.stop()
         return
     console.print("\nServing. Press Ctrl-C to stop.")
-    reported: set[str] = set()
-    while not stop.wait(0.5):
-        for c in cluster.dead_children():
-            if c.name not in reported:
-                reported.add(c.name)
-                console.print(f"[red]{c.name} exited with code {c.proc.returncode}[/]; last log lines:\n{c.log_tail(10)}")
+    if args.no_restart:
+        reported: set[str] = set()
+        while not stop.wait(0.5):
+            for c in cluster.dead_children():
+                if c.name not in reported:
+                    reported.add(c.name)
+                    console.print(f"[red]{c.name} exited with code {c.proc.returncode}[/] (not restarted: "
+                                  f"--no-restart); last log lines:\n{c.log_tail(10)}")
+    else:
+        cluster.supervise(report=lambda line: console.print(f"[yellow]supervisor[/]: {line}"))
+        while not stop.wait(0.5):  # a timed wait: the signal handlers run between waits
+            pass
     _stop_cluster(cluster, console)
+
+
+def _default_credentials(cfg: ClusterConfig) -> None:
+    """The cluster secret and admin token of a `kunserve up` that names none (config or environment): the
+    default files under $KUNSERVE_HOME, created once, so kunctl and the client find them with no flags."""
+    for kind in (credentials.CLUSTER_SECRET, credentials.ADMIN_TOKEN):
+        if not getattr(cfg.security, kind.config_key) and not os.environ.get(kind.env):
+            setattr(cfg.security, kind.config_key, str(credentials.ensure_default(kind)))
 
 
 def _stop_cluster(cluster: LocalCluster, console) -> None:
@@ -104,12 +125,12 @@ def _stop_cluster(cluster: LocalCluster, console) -> None:
 
 # -- generate ---------------------------------------------------------------------------------------------
 def _generate_to_terminal(address: str, request, *, as_json: bool, timeout: float | None,
-                          stop: threading.Event | None = None) -> int:
+                          stop: threading.Event | None = None, creds: client.Credentials | None = None) -> int:
     """Stream one generation; 0 on success, 1 on an RPC error, 130 when interrupted (Ctrl-C, or `stop`
     set by a signal handler of the caller, which is checked every STOP_POLL_S)."""
 
     async def run() -> client.GenerationResult | None:
-        async with client.insecure_channel(address) as ch:
+        async with client.dispatcher_channel(address, creds) as ch:
             def show(ev) -> None:
                 if not as_json and ev.text:
                     sys.stdout.write(ev.text)
@@ -163,12 +184,17 @@ def _int_list(value: str) -> list[int]:
 def cmd_generate(args: argparse.Namespace) -> None:
     if (args.prompt is None) == (args.token_ids is None):
         _fail("give either a text prompt or --token-ids")
-    address = args.address or _load(args).dispatcher.address
+    cfg = _load(args)
+    address = args.address or cfg.dispatcher.address
+    try:
+        creds = client.credentials_from(cfg)
+    except ConfigError as exc:
+        _fail(f"config error: {exc}")
     prompt = args.token_ids if args.token_ids is not None else args.prompt
     request = client.make_request(prompt, request_id=args.request_id or "", max_tokens=args.max_tokens,
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                   stop_token_ids=args.stop_token_ids or (), ignore_eos=args.ignore_eos)
-    raise SystemExit(_generate_to_terminal(address, request, as_json=args.json, timeout=args.timeout))
+    raise SystemExit(_generate_to_terminal(address, request, as_json=args.json, timeout=args.timeout, creds=creds))
 
 
 # -- parser -----------------------------------------------------------------------------------------------
@@ -186,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--demo", action="store_true", help="stream one generation once the cluster is up")
     up.add_argument("--demo-tokens", type=int, default=48, help="tokens to generate in the demo")
     up.add_argument("--exit-after-demo", action="store_true", help="stop the cluster after the demo (scripts, CI)")
+    up.add_argument("--no-restart", action="store_true",
+                    help="do not restart a service that exits or stops answering SERVING (default: restart it "
+                         "with backoff, 1 s doubling up to 30 s)")
     up.set_defaults(func=cmd_up)
 
     g = sub.add_parser("generate", help="send one prompt to the dispatcher and stream the output")

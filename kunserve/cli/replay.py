@@ -99,8 +99,9 @@ def sample_from_status(status, t_s: float) -> ClusterSample:
                          pipelined_units=sum(1 for u in units if len(u.members) > 1), epoch=status.layout.epoch)
 
 
-async def wait_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-    async with client.insecure_channel(address) as ch:
+async def wait_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S,
+                         creds: client.Credentials | None = None) -> None:
+    async with client.dispatcher_channel(address, creds) as ch:
         try:
             await asyncio.wait_for(ch.channel_ready(), timeout_s)
         except asyncio.TimeoutError:
@@ -108,9 +109,9 @@ async def wait_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> 
 
 
 async def _sampler(admin_address: str, t0: float, out: list[ClusterSample], stop: asyncio.Event,
-                   interval_s: float) -> None:
+                   interval_s: float, creds: client.Credentials | None) -> None:
     """Poll the admin status until `stop`; a failing poll is skipped (the plot just has a gap)."""
-    async with client.insecure_channel(admin_address) as ch:
+    async with client.admin_channel(admin_address, creds) as ch:
         stub = admin_pb2_grpc.AdminStub(ch)
         while not stop.is_set():
             try:
@@ -153,17 +154,19 @@ async def _one(ch: grpc.aio.Channel, req: TraceRequest, index: int, t0: float, s
 async def replay(trace: Sequence[TraceRequest], address: str, *, admin_address: str | None = None, seed: int = 0,
                  timeout_s: float = 600.0, stop: asyncio.Event | None = None,
                  on_done: Callable[[RequestResult], None] | None = None,
-                 sample_interval_s: float = SAMPLE_INTERVAL_S, request_prefix: str = "bench-") -> ReplayOutcome:
+                 sample_interval_s: float = SAMPLE_INTERVAL_S, request_prefix: str = "bench-",
+                 creds: client.Credentials | None = None) -> ReplayOutcome:
     """Send every request at its arrival time and wait for all streams; `stop` being set interrupts the replay
     (in-flight streams are cancelled, which cancels them on the cluster) and returns what was measured."""
-    await wait_reachable(address)
+    await wait_reachable(address, creds=creds)
     stop = stop or asyncio.Event()
     t0 = time.monotonic()
     samples: list[ClusterSample] = []
     sampling_done = asyncio.Event()
-    sampler = (asyncio.ensure_future(_sampler(admin_address, t0, samples, sampling_done, sample_interval_s))
+    sampler = (asyncio.ensure_future(_sampler(admin_address, t0, samples, sampling_done, sample_interval_s,
+                                                 creds))
                if admin_address else None)
-    channels = [client.insecure_channel(address) for _ in range(CHANNELS)]
+    channels = [client.dispatcher_channel(address, creds) for _ in range(CHANNELS)]
     tasks: list[asyncio.Task] = []
     try:
         for i, req in enumerate(trace):

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akunserve/v1/transfer.proto\x12\x0bkunserve.v1\"\xd1\x02\n\x0eTransferHeader\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.kunserve.v1.TransferKind\x12\x12\n\nmessage_id\x18\x02 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\x16\n\x0epayload_inline\x18\x10 \x01(\x08\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\r\n\x05shape\x18\t \x03(\x03\x12\x13\n\x0brequest_ids\x18\n \x03(\t\x12\x13\n\x0blayer_start\x18\x0b \x01(\x05\x12\x11\n\tlayer_end\x18\x0c \x01(\x05\x12\r\n\x05\x65poch\x18\r \x01(\x04\x12\x0c\n\x04name\x18\x0e \x01(\t\x12\x0e\n\x06source\x18\x0f \x01(\t*\xbe\x01\n\x0cTransferKind\x12\x1d\n\x19TRANSFER_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18TRANSFER_KIND_ACTIVATION\x10\x01\x12\x1d\n\x19TRANSFER_KIND_KV_EXCHANGE\x10\x02\x12\x19\n\x15TRANSFER_KIND_WEIGHTS\x10\x03\x12\x1c\n\x18TRANSFER_KIND_CHECKPOINT\x10\x04\x12\x19\n\x15TRANSFER_KIND_CONTROL\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akunserve/v1/transfer.proto\x12\x0bkunserve.v1\"\xf7\x02\n\x0eTransferHeader\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.kunserve.v1.TransferKind\x12\x12\n\nmessage_id\x18\x02 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\x16\n\x0epayload_inline\x18\x10 \x01(\x08\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\r\n\x05shape\x18\t \x03(\x03\x12\x13\n\x0brequest_ids\x18\n \x03(\t\x12\x13\n\x0blayer_start\x18\x0b \x01(\x05\x12\x11\n\tlayer_end\x18\x0c \x01(\x05\x12\r\n\x05\x65poch\x18\r \x01(\x04\x12\x0c\n\x04name\x18\x0e \x01(\t\x12\x0e\n\x06source\x18\x0f \x01(\t\x12\x12\n\nauth_nonce\x18\x11 \x01(\x0c\x12\x10\n\x08\x61uth_mac\x18\x12 \x01(\x0c*\xbe\x01\n\x0cTransferKind\x12\x1d\n\x19TRANSFER_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18TRANSFER_KIND_ACTIVATION\x10\x01\x12\x1d\n\x19TRANSFER_KIND_KV_EXCHANGE\x10\x02\x12\x19\n\x15TRANSFER_KIND_WEIGHTS\x10\x03\x12\x1c\n\x18TRANSFER_KIND_CHECKPOINT\x10\x04\x12\x19\n\x15TRANSFER_KIND_CONTROL\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kunserve.v1.transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERKIND']._serialized_start=384
-  _globals['_TRANSFERKIND']._serialized_end=574
+  _globals['_TRANSFERKIND']._serialized_start=422
+  _globals['_TRANSFERKIND']._serialized_end=612
   _globals['_TRANSFERHEADER']._serialized_start=44
-  _globals['_TRANSFERHEADER']._serialized_end=381
+  _globals['_TRANSFERHEADER']._serialized_end=419
 # @@protoc_insertion_point(module_scope)

@@ -23,7 +23,7 @@ TRANSFER_KIND_CHECKPOINT: TransferKind
 TRANSFER_KIND_CONTROL: TransferKind
 
 class TransferHeader(_message.Message):
-    __slots__ = ("kind", "message_id", "chunk_index", "chunk_count", "offset", "chunk_bytes", "total_bytes", "payload_inline", "dtype", "shape", "request_ids", "layer_start", "layer_end", "epoch", "name", "source")
+    __slots__ = ("kind", "message_id", "chunk_index", "chunk_count", "offset", "chunk_bytes", "total_bytes", "payload_inline", "dtype", "shape", "request_ids", "layer_start", "layer_end", "epoch", "name", "source", "auth_nonce", "auth_mac")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,8 @@ class TransferHeader(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    AUTH_NONCE_FIELD_NUMBER: _ClassVar[int]
+    AUTH_MAC_FIELD_NUMBER: _ClassVar[int]
     kind: TransferKind
     message_id: int
     chunk_index: int
@@ -56,4 +58,6 @@ class TransferHeader(_message.Message):
     epoch: int
     name: str
     source: str
-    def __init__(self, kind: _Optional[_Union[TransferKind, str]] = ..., message_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., offset: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., payload_inline: _Optional[bool] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., epoch: _Optional[int] = ..., name: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+    auth_nonce: bytes
+    auth_mac: bytes
+    def __init__(self, kind: _Optional[_Union[TransferKind, str]] = ..., message_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., offset: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., payload_inline: _Optional[bool] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., epoch: _Optional[int] = ..., name: _Optional[str] = ..., source: _Optional[str] = ..., auth_nonce: _Optional[bytes] = ..., auth_mac: _Optional[bytes] = ...) -> None: ...

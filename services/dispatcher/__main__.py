@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 
-from kunserve.services.common import load_service_config, service_arg_parser
+from kunserve.services.common import load_service_config, load_service_credentials, service_arg_parser
+from kunserve.services.dispatcher.limits import limits_from_config
 from kunserve.services.dispatcher.servicer import DispatcherServicer, WorkerPool
 from kunserve.shared import rpc
+from kunserve.shared.config import ConfigError
+from kunserve.shared.credentials import dispatcher_rules
 from kunserve.shared.model.tokenizer import load_tokenizer
 from kunserve.v1 import generation_pb2_grpc
 
@@ -19,15 +23,24 @@ def main(argv: list[str] | None = None) -> None:
     parser = service_arg_parser("kunserve-dispatcher", "Client API: routes requests to workers and streams tokens.")
     args = parser.parse_args(argv)
     cfg, log = load_service_config(args, "dispatcher", section="dispatcher")
+    creds = load_service_credentials(cfg, "dispatcher", api_key=True)
     try:
         tokenizer = load_tokenizer(cfg.model.path or None)
     except (OSError, ValueError) as exc:
         print(f"dispatcher: cannot load the tokenizer of {cfg.model.path!r}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
+    try:
+        limits = limits_from_config(cfg)
+    except ConfigError as exc:
+        print(f"dispatcher: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    log.info("dispatcher_limits", **dataclasses.asdict(limits), max_message_bytes=limits.max_message_bytes)
+
     async def amain() -> None:
         pool = WorkerPool(cfg)
-        servicer = DispatcherServicer(pool, tokenizer, route_timeout_s=cfg.dispatcher.route_timeout_s)
+        servicer = DispatcherServicer(pool, tokenizer, route_timeout_s=cfg.dispatcher.route_timeout_s,
+                                      limits=limits)
         tasks: list[asyncio.Task] = []
 
         def register(server) -> None:
@@ -44,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
                 t.cancel()
 
         await rpc.run_service("kunserve.v1.Generation", cfg.dispatcher.bind_address, register,
-                              on_started=started, on_shutdown=stopping)
+                              on_started=started, on_shutdown=stopping, auth=dispatcher_rules(creds), tls=creds.tls,
+                              options=limits.server_options())
         await pool.close()
 
     rpc.run(amain)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from kunserve.services.common import load_service_config, service_arg_parser
+from kunserve.services.common import load_service_config, load_service_credentials, service_arg_parser
 from kunserve.services.memory_manager.servicer import AdminServicer, MemoryManager, MemoryManagerServicer
 from kunserve.shared import rpc
+from kunserve.shared.credentials import memory_manager_rules
 from kunserve.v1 import admin_pb2_grpc, memory_manager_pb2_grpc
 
 
@@ -14,6 +15,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = service_arg_parser("kunserve-memory-manager", "Cluster parameter layout and the admin API.")
     args = parser.parse_args(argv)
     cfg, log = load_service_config(args, "memory-manager", section="memory_manager")
+    creds = load_service_credentials(cfg, "memory-manager", admin=True)
 
     async def amain() -> None:
         mm = MemoryManager(cfg)
@@ -36,7 +38,8 @@ def main(argv: list[str] | None = None) -> None:
             await mm.close()
 
         await rpc.run_service("kunserve.v1.MemoryManager", cfg.memory_manager.bind_address, register,
-                              on_started=started, on_shutdown=stopping)
+                              on_started=started, on_shutdown=stopping, auth=memory_manager_rules(creds),
+                              tls=creds.tls, require_client_cert=creds.tls is not None and creds.tls.mutual)
 
     rpc.run(amain)
 

@@ -12,9 +12,10 @@ import time
 import grpc
 
 from kunserve.shared.config import ClusterConfig
+from kunserve.shared.epochs import MAX_EPOCH
 from kunserve.shared.layout import LayoutState
 from kunserve.shared.log import get_logger
-from kunserve.shared.rpc import insecure_channel
+from kunserve.shared.rpc import channel
 
 from .orchestrator import OrchestrationError, Orchestrator
 from kunserve.v1 import (admin_pb2, admin_pb2_grpc, common_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc, worker_pb2,
@@ -45,9 +46,10 @@ class MemoryManager:
         self.cfg = cfg
         self.layout = LayoutState()
         self.log = get_logger()
-        self._channels = {w.id: insecure_channel(w.address) for w in cfg.workers}
-        self.monitor_channel = insecure_channel(cfg.monitor.address)
-        self.orchestrator = Orchestrator(self, cfg.memory_manager.transition_timeout_s)
+        self._channels = {w.id: channel(w.address) for w in cfg.workers}
+        self.monitor_channel = channel(cfg.monitor.address)
+        self.orchestrator = Orchestrator(self, cfg.memory_manager.transition_timeout_s,
+                                         cfg.memory_manager.transition_lease_s)
         self._infos: dict[str, worker_pb2.WorkerInfo] = {}  # the latest GetInfo of each reachable worker
         self._linking: asyncio.Task | None = None
         self._link_retry_at: dict[str, float] = {}  # a worker whose links failed is asked again after this
@@ -79,6 +81,10 @@ class MemoryManager:
                 self.layout.mark_unreachable(worker_id)
                 self._infos.pop(worker_id, None)
                 return
+            if info.epoch >= MAX_EPOCH:  # not acted on: the next epoch would overflow (shared/epochs.py)
+                self.log.error("worker_epoch_out_of_range", worker=worker_id, epoch=info.epoch)
+                self._infos.pop(worker_id, None)
+                return
             self._infos[worker_id] = info
             try:
                 if self.layout.observe(worker_id, info.address, info.layer_start, info.layer_end, info.num_layers_model,
@@ -91,11 +97,31 @@ class MemoryManager:
                 self.log.error("layout_inconsistent", worker=worker_id, error=str(exc))
 
         await asyncio.gather(*(one(w) for w in self._channels))
+        await self.abort_orphans()
         if self.cfg.memory_manager.preconnect and (self._linking is None or self._linking.done()):
             now = time.monotonic()
             missing = {w: p for w, p in missing_links(self._infos).items() if self._link_retry_at.get(w, 0.0) <= now}
             if missing:
                 self._linking = asyncio.create_task(self._link(missing))
+
+    async def abort_orphans(self) -> None:
+        """Roll back transitions that no live memory manager drives: a worker still paused for an epoch this
+        process never started was left by a predecessor that died mid-transition. Its members would abort on
+        their own when their leases run out; this does it at once (and for a member whose lease is long)."""
+        orchestrator = self.orchestrator
+        orphans = {w: i.transition_epoch for w, i in self._infos.items()
+                   if i.transitioning and i.transition_epoch and i.transition_epoch not in orchestrator.started_epochs}
+        if not orphans or orchestrator.lock.locked():
+            return
+        async with orchestrator.lock:
+            for worker_id, epoch in sorted(orphans.items()):
+                self.log.warning("orphaned_transition_aborting", worker=worker_id, epoch=epoch)
+                try:
+                    await self.worker_stub(worker_id).AbortTransition(worker_pb2.TransitionRef(epoch=epoch),
+                                                                      timeout=orchestrator.timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    self.log.warning("orphaned_transition_abort_failed", worker=worker_id, epoch=epoch,
+                                     code=exc.code().name, error=exc.details())
 
     async def _link(self, missing: dict[str, dict[str, str]]) -> None:
         """Ask workers to open the transfer links a drop would otherwise open while requests wait. Best effort:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from kunserve.services.common import load_service_config, service_arg_parser
+from kunserve.services.common import load_service_config, load_service_credentials, service_arg_parser
 from kunserve.services.monitor.servicer import (GrpcMemoryManager, MonitorServicer, OverloadController,
                                                 overload_config_from)
 from kunserve.shared import rpc
+from kunserve.shared.credentials import internal_rules
 from kunserve.v1 import monitor_pb2_grpc
 
 
@@ -14,14 +15,16 @@ def main(argv: list[str] | None = None) -> None:
                                                     "asks the memory manager to drop on overload / restore on underload.")
     args = parser.parse_args(argv)
     cfg, log = load_service_config(args, "monitor", section="monitor")
+    creds = load_service_credentials(cfg, "monitor")
 
     async def amain() -> None:
-        servicer = MonitorServicer(stale_after_s=cfg.monitor.stale_after_s)
+        ttft_slo_s = cfg.slo.ttft_ms / 1000.0  # queue time beyond the TTFT SLO counts as overload
+        servicer = MonitorServicer(stale_after_s=cfg.monitor.stale_after_s, max_head_wait_s=ttft_slo_s)
         controller: OverloadController | None = None
         policy = cfg.policy.overload
         if cfg.monitor.auto_drop and policy in ("kunserve", "migrate"):
             controller = OverloadController(servicer.load, GrpcMemoryManager(cfg.memory_manager.address),
-                                            overload_config_from(cfg.monitor),
+                                            overload_config_from(cfg.monitor, ttft_slo_s),
                                             interval_s=cfg.monitor.policy_interval_s,
                                             mode="migrate" if policy == "migrate" else "drop")
         else:
@@ -39,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
                 await controller.stop()
 
         await rpc.run_service("kunserve.v1.Monitor", cfg.monitor.bind_address, register,
-                              on_started=started, on_shutdown=stopping)
+                              on_started=started, on_shutdown=stopping, auth=internal_rules(creds),
+                              tls=creds.tls, require_client_cert=creds.tls is not None and creds.tls.mutual)
 
     rpc.run(amain)
 

@@ -6,11 +6,13 @@ import asyncio
 import os
 import sys
 
-from kunserve.services.common import load_service_config, service_arg_parser
+from kunserve.services.common import load_service_config, load_service_credentials, service_arg_parser
 from kunserve.services.worker.build import WorkerBuildError, build_worker
 from kunserve.services.worker.reporter import report_stats_forever
 from kunserve.services.worker.servicer import WorkerServicer
 from kunserve.shared import rpc
+from kunserve.shared.credentials import internal_rules
+from kunserve.shared.faults import fault_armed
 from kunserve.shared.transfer.service import TransferService
 from kunserve.v1 import worker_pb2_grpc
 
@@ -23,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.worker_id:
         parser.error("--worker-id is required (or set KUNSERVE_WORKER_ID)")
     cfg, log = load_service_config(args, "worker", worker_id=args.worker_id)
+    creds = load_service_credentials(cfg, f"worker {args.worker_id}")
     try:
         engine_loop, instance, identity = build_worker(cfg, args.worker_id)
     except WorkerBuildError as exc:
@@ -30,10 +33,17 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     log.info("model_loaded", model=identity.model_name, layers=list(instance.layer_range),
              kv_blocks=engine_loop.stats().kv_blocks_total, device=identity.device, memory=repr(instance.layout))
+    if fault_armed("engine_fails", args.worker_id):  # fault injection (tests): every forward pass raises
+        def failing_forward(*_args, **_kwargs):
+            raise RuntimeError("injected engine fault")
+
+        engine_loop.engine.runner.forward = failing_forward
 
     async def amain() -> None:
         wsec = cfg.worker(args.worker_id)
-        transfer = TransferService(args.worker_id, host=wsec.host)
+        # Links only from the configured workers, each proving it holds the cluster secret.
+        transfer = TransferService(args.worker_id, host=wsec.host, secret=creds.cluster_secret.encode(),
+                                   members=[w.id for w in cfg.workers])
         try:
             await transfer.start(wsec.transfer_port)
         except Exception as exc:  # no UCX here: the worker still serves, but cannot join pipeline groups
@@ -59,7 +69,9 @@ def main(argv: list[str] | None = None) -> None:
                 await transfer.close()
 
         await rpc.run_service("kunserve.v1.Worker", wsec.bind_address, register, on_started=started,
-                              on_shutdown=stopping)
+                              on_shutdown=stopping, auth=internal_rules(creds), tls=creds.tls,
+                              require_client_cert=creds.tls is not None and creds.tls.mutual,
+                              alive=lambda: engine_loop.error is None)  # NOT_SERVING once the engine died
 
     rpc.run(amain)
 

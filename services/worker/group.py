@@ -103,8 +103,9 @@ class UcxPipelineLink:
 
 class StageRunner:
     """Handles ACTIVATION messages for this worker: microbatches to run as a later stage, and results
-    coming back to this worker as a head. Messages from another epoch (a group that no longer exists)
-    are dropped."""
+    coming back to this worker as a head. Messages from another epoch (a group that no longer exists),
+    and messages from anyone but the stage that feeds this one (the previous member for a microbatch,
+    the last member for a result), are dropped: a linked worker outside the group cannot inject them."""
 
     def __init__(self, svc: TransferService, engine_loop: EngineLoop, dtype: torch.dtype,
                  on_failure: Callable[[str], None]) -> None:
@@ -124,9 +125,15 @@ class StageRunner:
                              peer=msg.peer)
             return
         name = msg.header.name
-        if name.startswith(OUT + ":") and self.link is not None:
-            self.link.deliver(int(name.split(":", 1)[1]), msg.data)
-        elif name == MB and not role.is_head:
+        members = role.members
+        if name.startswith(OUT + ":") and self.link is not None and msg.peer == members[-1]:
+            try:
+                mb_id = int(name.split(":", 1)[1])
+            except ValueError:
+                self.log.warning("unexpected_activation", name=name, peer=msg.peer)
+                return
+            self.link.deliver(mb_id, msg.data)
+        elif name == MB and not role.is_head and msg.peer == members[role.index - 1]:
             batch, hidden = stage_wire.decode(msg.data, self.dtype)
             fut = self.engine_loop.call(lambda engine: self._forward(engine, batch, hidden))
             loop = asyncio.get_running_loop()

@@ -16,6 +16,7 @@ from kunserve.shared.convert import busy_idle_fields, finish_to_pb, sampling_fro
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest, TokenEvent
 from kunserve.shared.engine.loop import EngineStopped
 from kunserve.shared.engine.pooled import LayerChange, PooledInstance
+from kunserve.shared.epochs import epoch_error
 from kunserve.shared.log import get_logger
 from kunserve.shared.memory.errors import MemoryPoolError
 from kunserve.shared.streams import Shutdown, StreamRegistry
@@ -188,7 +189,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             vocab_size=ident.vocab_size, max_model_len=ident.max_model_len, block_size=stats.block_size,
             kv_blocks_total=stats.kv_blocks_total, device=ident.device, dtype=ident.dtype,
             transfer_address=self.transitions.svc.address if self.transitions else "",
-            transfer_peers=self.transitions.svc.peers if self.transitions else [], **self._layout_fields(),
+            transfer_peers=self.transitions.svc.peers if self.transitions else [],
+            transition_epoch=self.transitions.transition_epoch if self.transitions else 0, **self._layout_fields(),
         )
 
     # -- memory pool --------------------------------------------------------------------------------------
@@ -270,8 +272,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"worker {self.identity.worker_id} runs without a transfer service")
 
-    async def _transition(self, context, step):
+    async def _transition(self, context, step, epoch: int | None = None):
         await self._require_transfer(context)
+        if epoch is not None:
+            why = epoch_error(epoch, self.transitions.epoch)
+            if why is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"worker {self.identity.worker_id}: {why}")
         try:
             return await step(self.transitions)
         except TransitionRefused as exc:
@@ -281,16 +287,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 f"({type(exc).__name__}: {exc}); healed to a whole instance")
 
     async def PrepareTransition(self, request: worker_pb2.TransitionSpec, context: grpc.aio.ServicerContext):
-        return await self._transition(context, lambda t: t.prepare(request))
+        return await self._transition(context, lambda t: t.prepare(request), request.epoch)
 
     async def ExecuteTransition(self, request: worker_pb2.TransitionSpec, context: grpc.aio.ServicerContext):
-        return await self._transition(context, lambda t: t.execute(request))
+        return await self._transition(context, lambda t: t.execute(request), request.epoch)
 
     async def CommitTransition(self, request: worker_pb2.TransitionRef, context: grpc.aio.ServicerContext):
-        return await self._transition(context, lambda t: t.commit(request.epoch))
+        return await self._transition(context, lambda t: t.commit(request.epoch), request.epoch)
 
     async def AbortTransition(self, request: worker_pb2.TransitionRef, context: grpc.aio.ServicerContext):
-        return await self._transition(context, lambda t: t.abort(request.epoch))
+        return await self._transition(context, lambda t: t.abort(request.epoch), request.epoch)
+
+    async def RenewTransition(self, request: worker_pb2.TransitionRef, context: grpc.aio.ServicerContext):
+        async def renew(t: TransitionRunner) -> worker_pb2.TransitionLease:
+            return t.renew(request.epoch)
+
+        return await self._transition(context, renew, request.epoch)
 
     async def ConnectPeers(self, request: worker_pb2.PeerAddresses, context: grpc.aio.ServicerContext):
         await self._require_transfer(context)

@@ -9,6 +9,8 @@ Listens (UCX), prints ``TRANSFER_PEER_READY {"port": N, "name": ...}`` on stdout
   ``t`` from time.perf_counter(), comparable across processes on one host), and the trace is cleared;
 - CONTROL ``"exit"`` (or stdin reaching EOF, e.g. the parent died) closes the service and exits.
 
+The cluster secret for the link handshake comes from $KUNSERVE_CLUSTER_SECRET (required).
+
 ``--kv-pool-mib N`` receives KV_EXCHANGE messages into one preallocated, pre-touched buffer (as a worker
 receives into its KV cache) instead of a fresh tensor per message.
 """
@@ -18,12 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import threading
 from typing import Any
 
 import torch
 
+from kunserve.shared.credentials import CLUSTER_SECRET
 from kunserve.shared.log import configure_logging
 
 from .framing import ACTIVATION, CHECKPOINT, CONTROL, KV_EXCHANGE, WEIGHTS, torch_dtype
@@ -35,7 +39,7 @@ READY = "TRANSFER_PEER_READY "
 async def serve(args: argparse.Namespace) -> None:
     config = TransferConfig(target_chunk_s=args.target_chunk_s, min_chunk_bytes=args.min_chunk_bytes,
                             max_chunk_bytes=args.max_chunk_bytes, trace_len=args.trace)
-    svc = TransferService(args.name, config=config)
+    svc = TransferService(args.name, config=config, secret=os.environ[CLUSTER_SECRET.env].encode())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -95,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-pool-mib", type=int, default=0, help="receive KV_EXCHANGE into a preallocated buffer")
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
+    if not os.environ.get(CLUSTER_SECRET.env):
+        ap.error(f"${CLUSTER_SECRET.env} must hold the cluster secret (the link handshake needs it)")
     configure_logging("transfer-peer", level=args.log_level)  # logs to stderr; stdout carries the port line
     asyncio.run(serve(args))
 

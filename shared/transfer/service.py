@@ -1,8 +1,8 @@
 """The transfer service of one worker process: tensors to and from peers with four priority classes.
 
-    svc = TransferService("w0")                    # UCX by default (ucxx, imported lazily)
+    svc = TransferService("w0", secret=cluster_secret)  # UCX by default (ucxx, imported lazily)
     port = await svc.start()                       # listen; peers connect to host:port
-    peer = await svc.connect("10.0.0.2", 7001)     # -> the peer's name ("w1"), after a hello exchange
+    peer = await svc.connect("10.0.0.2", 7001, expect="w1")  # -> "w1", after an authenticated handshake
     await svc.send(peer, ACTIVATION, hidden, request_ids=[...], layer_start=16, layer_end=32, epoch=3)
     h = svc.submit(peer, KV_EXCHANGE, kv_block)    # queue without waiting; await h.wait() later
     msg = await svc.recv(ACTIVATION, timeout=1.0)  # Received(peer, header, data: torch.Tensor)
@@ -14,20 +14,33 @@ two chunks of a lower one) and puts each on the wire as a header frame + payload
 One receiver task per endpoint reassembles chunks straight into a preallocated tensor (``set_allocator``
 lets a worker receive KV straight into its cache) and delivers whole messages to a per-kind queue or a
 callback. Waits are bounded (connect, each chunk, close); failures surface as ``TransferError`` naming
-the peer. Handshake: the connecting side sends a CONTROL "hello" with its name, the listener answers with
-its own; a clean close sends CONTROL "bye" so the other side tells a close from a crash.
+the peer. A clean close sends CONTROL "bye" so the other side tells a close from a crash.
 
-If both sides connect to each other, the first link registered sends; the other only receives.
+Handshake (the listener port is reachable by anyone who can reach the host, so nothing is registered
+before it ends): the connector C sends CONTROL "hello" with its name and a fresh nonce Nc; the listener L
+checks the name (not its own, one of ``members``) and answers "hello" with its name, a nonce Nl and
+MAC(listener, C, L, Nc, Nl); C checks that MAC (and that L is the worker it meant to reach) and sends
+"auth" with MAC(connector, C, L, Nc, Nl); L checks it and sends "welcome". MAC = HMAC-SHA256 keyed with the
+cluster secret, so both sides prove they hold it; fresh nonces on both sides make a recorded handshake
+useless, and the role in the MAC keeps one side's answer from being reflected as the other's. A peer
+that fails any step is closed and never registered. The secret proves membership of the cluster, not
+which member: any holder can claim any member's name (see the README's security limits).
+
+If both sides connect to each other, the first link registered sends; the other only receives, and its
+failure ends only that link: a second link under a live peer's name never replaces the first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
+import hmac
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import numpy as np
 import torch
@@ -35,14 +48,19 @@ import torch
 from kunserve.shared.log import get_logger
 from kunserve.v1 import transfer_pb2
 
-from .endpoint import Endpoint, EndpointClosed, Transport
+from .endpoint import Endpoint, Transport
 from .framing import (CONTROL, FRAME_MAX, INLINE_MAX, KINDS, TAG_HEADER, TAG_PAYLOAD, FramingError, Kind, byte_view,
                       decode_frame, encode_frame, kind_name, tensor_meta, torch_dtype, validate_chunk,
                       validate_first_chunk)
 from .scheduler import KiB, MiB, ChunkSizer, OutgoingMessage, PriorityScheduler
 
 HELLO = "__hello__"
+AUTH = "__auth__"
+WELCOME = "__welcome__"
+REFUSED = "__refused__"  # the side that refuses a handshake says so, so the other does not wait for a timeout
 BYE = "__bye__"
+NONCE_BYTES = 32
+MAC_DOMAIN = b"kunserve-transfer-link-v1"
 
 Allocator = Callable[[str, transfer_pb2.TransferHeader], "torch.Tensor | np.ndarray | None"]
 
@@ -177,13 +195,29 @@ def _copy_into(view: Any, offset: int, data: memoryview) -> None:
         view[offset:offset + len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
 
 
+class HandshakeRefused(FramingError):
+    """The other side of a new link did not prove it holds the cluster secret, or is not who it must be."""
+
+
+def handshake_mac(secret: bytes, role: str, connector: str, listener: str, nonce_c: bytes, nonce_l: bytes) -> bytes:
+    """HMAC-SHA256 over the role and both names and nonces, each length-prefixed (no ambiguous joins)."""
+    parts = [MAC_DOMAIN, role.encode(), connector.encode(), listener.encode(), nonce_c, nonce_l]
+    return hmac.new(secret, b"".join(len(x).to_bytes(4, "big") + x for x in parts), hashlib.sha256).digest()
+
+
 class TransferService:
     def __init__(self, name: str, transport: Transport | None = None, config: TransferConfig | None = None,
-                 host: str = "127.0.0.1") -> None:
-        if not name or name in (HELLO, BYE):
+                 host: str = "127.0.0.1", *, secret: bytes, members: Collection[str] | None = None) -> None:
+        """``secret``: the cluster secret both sides of every link must hold. ``members``: the only names a
+        connecting peer may claim (the cluster's worker ids); None = any name but our own."""
+        if not name or name in (HELLO, AUTH, WELCOME, REFUSED, BYE):
             raise ValueError(f"bad transfer service name {name!r}")
+        if not secret:
+            raise ValueError("the transfer service needs the cluster secret")
         self.name = name
         self.host = host
+        self._secret = bytes(secret)
+        self.members = frozenset(members) if members is not None else None
         self.config = config or TransferConfig()
         self._transport = transport
         self._port: int | None = None
@@ -225,8 +259,10 @@ class TransferService:
     def peers(self) -> list[str]:
         return sorted(n for n, p in self._peers.items() if not p.closing)
 
-    async def connect(self, host: str, port: int, timeout: float | None = None) -> str:
-        """Open a link to the service listening at host:port; returns its name."""
+    async def connect(self, host: str, port: int, timeout: float | None = None, expect: str | None = None) -> str:
+        """Open a link to the service listening at host:port; returns its name. ``expect``: the name it
+        must have (the worker id the memory manager gave for that address); another name is refused
+        before anything is registered."""
         if self._closed:
             raise RuntimeError("transfer service closed")
         timeout = self.config.connect_timeout_s if timeout is None else timeout
@@ -237,17 +273,81 @@ class TransferService:
             raise TransferError(where, f"cannot connect: {type(exc).__name__}: {exc}") from exc
         try:
             async with asyncio.timeout(timeout):
-                await self._send_control(ep, HELLO)
-                h, _ = await self._recv_frame(ep, np.empty(FRAME_MAX, np.uint8))
-            if h.kind != CONTROL or h.name != HELLO or not h.source:
-                raise FramingError(f"expected a hello, got {kind_name(h.kind)} {h.name!r}")
+                name = await self._handshake_as_connector(ep, expect)
+        except asyncio.CancelledError:  # the caller went away (an RPC cancelled): the endpoint must not leak
+            await self._close_endpoint(ep)
+            raise
         except Exception as exc:
+            await self._refuse(ep, exc)
             await self._close_endpoint(ep)
             if isinstance(exc, TimeoutError):
-                raise TransferError(where, f"no hello within {timeout} s") from None
+                raise TransferError(where, f"handshake not finished within {timeout} s") from None
             raise TransferError(where, f"handshake failed: {type(exc).__name__}: {exc}") from exc
-        self._register(h.source, ep)
-        return h.source
+        if self._closed:
+            await self._close_endpoint(ep)
+            raise RuntimeError("transfer service closed")
+        self._register(name, ep)
+        return name
+
+    async def _handshake_as_connector(self, ep: Endpoint, expect: str | None) -> str:
+        buf = np.empty(FRAME_MAX, np.uint8)
+        nonce_c = os.urandom(NONCE_BYTES)
+        await self._send_control(ep, HELLO, nonce=nonce_c)
+        h = await self._expect(ep, buf, HELLO)
+        listener = h.source
+        if not listener or listener == self.name:
+            raise HandshakeRefused(f"the listener calls itself {listener!r}")
+        if expect is not None and listener != expect:
+            raise HandshakeRefused(f"the listener is {listener!r}, not {expect!r}")
+        if len(h.auth_nonce) != NONCE_BYTES or h.auth_nonce == nonce_c:
+            raise HandshakeRefused("the listener's hello has no valid nonce")
+        nonce_l = bytes(h.auth_nonce)
+        want = handshake_mac(self._secret, "listener", self.name, listener, nonce_c, nonce_l)
+        if not hmac.compare_digest(want, h.auth_mac):
+            raise HandshakeRefused(f"{listener!r} did not prove it holds the cluster secret")
+        await self._send_control(ep, AUTH, mac=handshake_mac(self._secret, "connector", self.name, listener,
+                                                               nonce_c, nonce_l))
+        await self._expect(ep, buf, WELCOME)
+        return listener
+
+    async def _handshake_as_listener(self, ep: Endpoint) -> str:
+        buf = np.empty(FRAME_MAX, np.uint8)
+        h = await self._expect(ep, buf, HELLO)
+        connector = h.source
+        if not connector or connector == self.name or connector in (HELLO, AUTH, WELCOME, REFUSED, BYE):
+            raise HandshakeRefused(f"a peer may not call itself {connector!r}")
+        if self.members is not None and connector not in self.members:
+            raise HandshakeRefused(f"{connector!r} is not a member of this cluster")
+        if len(h.auth_nonce) != NONCE_BYTES:
+            raise HandshakeRefused(f"{connector!r} sent no valid nonce")
+        nonce_c, nonce_l = bytes(h.auth_nonce), os.urandom(NONCE_BYTES)
+        await self._send_control(ep, HELLO, nonce=nonce_l,
+                                 mac=handshake_mac(self._secret, "listener", connector, self.name, nonce_c, nonce_l))
+        a = await self._expect(ep, buf, AUTH)
+        want = handshake_mac(self._secret, "connector", connector, self.name, nonce_c, nonce_l)
+        if a.source != connector or not hmac.compare_digest(want, a.auth_mac):
+            raise HandshakeRefused(f"{connector!r} did not prove it holds the cluster secret")
+        await self._send_control(ep, WELCOME)
+        return connector
+
+    async def _refuse(self, ep: Endpoint, why: BaseException) -> None:
+        """Tell the other side of a handshake we refused it (no reason: it may be an attacker; our log has
+        it). Best effort and short: a closed endpoint is not always noticed by the peer's pending receive."""
+        if not isinstance(why, HandshakeRefused) or str(why).startswith("the peer refused"):
+            return
+        try:
+            async with asyncio.timeout(1.0):
+                await self._send_control(ep, REFUSED)
+        except Exception:
+            pass
+
+    async def _expect(self, ep: Endpoint, buf: np.ndarray, verb: str) -> transfer_pb2.TransferHeader:
+        h, _ = await self._recv_frame(ep, buf)
+        if h.kind == CONTROL and h.name == REFUSED:
+            raise HandshakeRefused(f"the peer refused the link (while we waited for {verb}; see its log)")
+        if h.kind != CONTROL or h.name != verb or h.chunk_index != 0 or h.total_bytes != 0:
+            raise HandshakeRefused(f"expected {verb}, got {kind_name(h.kind)} {h.name!r}")
+        return h
 
     async def wait_for_peer(self, name: str, timeout: float) -> None:
         """Until ``name`` has connected to us (bounded)."""
@@ -259,18 +359,19 @@ class TransferService:
     async def _on_accept(self, ep: Endpoint) -> None:
         try:
             async with asyncio.timeout(self.config.connect_timeout_s):
-                h, _ = await self._recv_frame(ep, np.empty(FRAME_MAX, np.uint8))
-                if h.kind != CONTROL or h.name != HELLO or not h.source:
-                    raise FramingError(f"expected a hello, got {kind_name(h.kind)} {h.name!r}")
-                await self._send_control(ep, HELLO)
-        except Exception as exc:  # a bad client must not take the listener down
-            self._log.warning("transfer_handshake_failed", error=f"{type(exc).__name__}: {exc}")
+                name = await self._handshake_as_listener(ep)
+        except asyncio.CancelledError:  # the transport closed meanwhile
+            await self._close_endpoint(ep)
+            raise
+        except Exception as exc:  # a bad or unauthenticated client must not take the listener down
+            self._log.warning("transfer_handshake_refused", address=ep.address, error=f"{type(exc).__name__}: {exc}")
+            await self._refuse(ep, exc)
             await self._close_endpoint(ep)
             return
         if self._closed:
             await self._close_endpoint(ep)
             return
-        self._register(h.source, ep)
+        self._register(name, ep)
 
     def _register(self, name: str, ep: Endpoint) -> None:
         p = self._peers.get(name)
@@ -371,9 +472,9 @@ class TransferService:
         if self.config.trace_len:
             self.trace.append(TraceEvent(time.perf_counter(), op, peer, kind, mid, idx, nbytes, last))
 
-    async def _send_control(self, ep: Endpoint, verb: str) -> None:
+    async def _send_control(self, ep: Endpoint, verb: str, nonce: bytes = b"", mac: bytes = b"") -> None:
         h = transfer_pb2.TransferHeader(kind=CONTROL, message_id=next(self._ids), chunk_count=1, dtype="uint8",
-                                        shape=[0], name=verb, source=self.name)
+                                        shape=[0], name=verb, source=self.name, auth_nonce=nonce, auth_mac=mac)
         await ep.send(np.frombuffer(encode_frame(h), np.uint8), TAG_HEADER)
 
     @staticmethod
@@ -432,6 +533,9 @@ class TransferService:
                 h, inline = await self._recv_frame(ep, buf)
                 if h.chunk_index == 0:
                     if h.kind == CONTROL and h.name == BYE and h.total_bytes == 0:
+                        if ep is not p.endpoint:
+                            self._end_extra_link(p, ep, "bye")
+                            return
                         self._log.info("transfer_peer_closed", peer=p.name, partial_messages=len(inbound))
                         self._spawn(self._drop_peer(p, None))
                         return
@@ -463,11 +567,21 @@ class TransferService:
                     self._deliver(Received(p.name, state.header, state.data))
         except asyncio.CancelledError:
             raise
-        except EndpointClosed as exc:
-            if not p.closing:
-                self._fail_peer(p, exc, "receive")
         except BaseException as exc:
+            if p.closing:
+                return
+            if ep is not p.endpoint:
+                self._end_extra_link(p, ep, f"{type(exc).__name__}: {exc}")
+                return
             self._fail_peer(p, exc, "receive")
+
+    def _end_extra_link(self, p: _Peer, ep: Endpoint, why: str) -> None:
+        """A second link under a peer's name (both sides connected at once, or another holder of the secret
+        claiming the name) ends alone: the link the peer was registered with stays."""
+        self._log.warning("transfer_extra_link_ended", peer=p.name, reason=why)
+        if ep in p.endpoints:
+            p.endpoints.remove(ep)
+        self._spawn(self._close_endpoint(ep))
 
     def _allocate(self, peer: str, h: transfer_pb2.TransferHeader) -> Any:
         alloc = self._allocators.get(h.kind)

@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from helpers import generate_many, reference_for, run
+from helpers import generate_many, internal_channel, kunctl_argv, reference_for, run
 from kunserve import client
 from oracle import compare_greedy
 
@@ -50,8 +50,7 @@ def test_kunctl_status_shows_worker_stats(cluster):
     # Traffic first, so the counters are non-zero.
     run(generate_many(cluster.cfg.dispatcher.address, [client.make_request([1, 2, 3], max_tokens=4)]))
     time.sleep(0.5)
-    out = subprocess.run([sys.executable, "-m", "kunserve.cli.kunctl", "--address", cluster.cfg.memory_manager.address,
-                          "status", "--json"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(kunctl_argv(cluster, "status", "--json"), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout)
     workers = {w["stats"]["worker_id"]: w for w in status["cluster"]["workers"]}
@@ -60,8 +59,7 @@ def test_kunctl_status_shows_worker_stats(cluster):
     assert sum(int(w["stats"].get("generated_tokens_total", 0)) for w in workers.values()) >= 4
     assert all(int(w["stats"]["kv_blocks_total"]) > 0 for w in workers.values())
     assert {w["worker_id"] for w in status["layout"]["workers"]} == {"worker-0", "worker-1"}
-    table = subprocess.run([sys.executable, "-m", "kunserve.cli.kunctl", "--address",
-                            cluster.cfg.memory_manager.address, "status"], capture_output=True, text=True, timeout=60)
+    table = subprocess.run(kunctl_argv(cluster, "status"), capture_output=True, text=True, timeout=60)
     assert table.returncode == 0 and "worker-0" in table.stdout and "KV" in table.stdout
 
 
@@ -125,13 +123,12 @@ def test_duplicate_request_id_and_cancel(cluster):
 
 def _wait_for_idle_kv(cluster, timeout=20.0):
     """Cancelled and disconnected requests must give back every KV block."""
-    from kunserve.shared.rpc import insecure_channel
     from kunserve.v1 import common_pb2, worker_pb2_grpc
 
     async def used():
         total = 0
         for w in cluster.cfg.workers:
-            async with insecure_channel(w.address) as ch:
+            async with internal_channel(cluster, w.address) as ch:
                 total += (await worker_pb2_grpc.WorkerStub(ch).GetStats(common_pb2.Empty(), timeout=5)).kv_blocks_used
         return total
 

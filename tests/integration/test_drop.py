@@ -13,7 +13,7 @@ import random
 import grpc
 import pytest
 
-from helpers import check_against_reference, make_config, run
+from helpers import admin_channel, check_against_reference, internal_channel, make_config, run
 from kunserve import client
 from kunserve.cli.launcher import LocalCluster, free_port
 from kunserve.v1 import common_pb2, memory_manager_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc
@@ -39,7 +39,7 @@ def _prompts(n: int, seed: int, lo: int = 8, hi: int = 40) -> list[list[int]]:
 @contextlib.asynccontextmanager
 async def _mm(c: LocalCluster):
     """A MemoryManager stub on a channel that is closed afterwards."""
-    async with grpc.aio.insecure_channel(c.cfg.memory_manager.address) as ch:
+    async with admin_channel(c) as ch:
         yield memory_manager_pb2_grpc.MemoryManagerStub(ch)
 
 
@@ -83,7 +83,7 @@ def test_workers_link_their_transfer_services_before_any_drop(cluster4):
     async def go():
         async with contextlib.AsyncExitStack() as stack:
             stubs = {w.id: worker_pb2_grpc.WorkerStub(await stack.enter_async_context(
-                grpc.aio.insecure_channel(w.address))) for w in cluster4.cfg.workers}
+                internal_channel(cluster4, w.address))) for w in cluster4.cfg.workers}
             loop = asyncio.get_running_loop()
             end = loop.time() + 60
             while True:
@@ -180,7 +180,7 @@ async def _worker_epochs(c: LocalCluster) -> dict[str, int]:
 
     out = {}
     for w in c.cfg.workers:
-        async with grpc.aio.insecure_channel(w.address) as ch:
+        async with internal_channel(c, w.address) as ch:
             out[w.id] = (await worker_pb2_grpc.WorkerStub(ch).GetInfo(common_pb2.Empty(), timeout=10)).epoch
     return out
 
@@ -265,7 +265,7 @@ def test_a_burst_that_overflows_kv_memory_drops_automatically(tmp_path):
                     await asyncio.sleep(0.1)
                 assert group is not None, "the burst finished before any drop"
                 head_addr = next(w.address for w in c.cfg.workers if w.id == group.worker_id)
-                async with grpc.aio.insecure_channel(head_addr) as wch:
+                async with internal_channel(c, head_addr) as wch:
                     stub = worker_pb2_grpc.WorkerStub(wch)
                     for _ in range(100):  # the moved requests are installed at once; stragglers routed in
                         s = await stub.GetStats(common_pb2.Empty(), timeout=10)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from helpers import check_against_reference, generate_many, run
+from helpers import check_against_reference, generate_many, kunctl_argv, run
 from kunserve import client
 
 pytestmark = pytest.mark.integration
@@ -31,8 +32,7 @@ async def _start_long_stream(ch, rid: str, n_first: int = 2, max_tokens: int = 1
 
 
 def kunctl(cluster, *args):
-    out = subprocess.run([sys.executable, "-m", "kunserve.cli.kunctl", "--address", cluster.cfg.memory_manager.address,
-                          *args], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(kunctl_argv(cluster, *args), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out
 
@@ -134,9 +134,10 @@ def test_unreachable_cluster_is_a_one_line_cli_error():
     from kunserve.cli.launcher import free_port
 
     addr = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "KUNSERVE_ADMIN_TOKEN": "an-admin-token-for-nobody-0123456789"}
     for argv in (["-m", "kunserve.cli.main", "generate", "--address", addr, "--timeout", "3", "hi"],
                  ["-m", "kunserve.cli.kunctl", "--address", addr, "--timeout", "3", "status"]):
-        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60, env=env)
         assert out.returncode == 1 and "UNAVAILABLE" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -146,7 +147,7 @@ def _kunserve_up_demo(tmp_path, demo_tokens: int, until: str) -> tuple[subproces
     proc = subprocess.Popen([sys.executable, "-m", "kunserve.cli.main", "up", "--free-ports", "--run-dir",
                              str(tmp_path), "--demo", "--demo-tokens", str(demo_tokens)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "COLUMNS": "200"})
+                            env={**os.environ, "COLUMNS": "200", "KUNSERVE_HOME": str(tmp_path / "home")})
     lines: list[str] = []
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -170,6 +171,13 @@ def test_kunserve_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
     try:
         assert any("Press Ctrl-C" in ln for ln in lines), "".join(lines)
         assert any("finish: length" in ln for ln in lines), "".join(lines)  # the demo streamed
+        # The printed kunctl command works as is: `kunserve up` wrote the admin token where kunctl looks.
+        admin = re.search(r"kunctl --address (\S+) status", "".join(lines)).group(1)
+        env = {k: v for k, v in os.environ.items() if k not in ("KUNSERVE_ADMIN_TOKEN", "KUNSERVE_CONFIG")}
+        status = subprocess.run([sys.executable, "-m", "kunserve.cli.kunctl", "--address", admin, "status", "--json"],
+                                capture_output=True, text=True, timeout=60, env={**env, "KUNSERVE_HOME": str(tmp_path / "home")})
+        assert status.returncode == 0, status.stderr
+        assert (tmp_path / "home" / "admin-token").stat().st_mode & 0o777 == 0o600
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
     finally:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from helpers import generate_many, reference_for, run
+from helpers import generate_many, kunctl_argv, reference_for, run
 from kunserve import client
 from oracle import compare_greedy
 
@@ -16,8 +15,7 @@ pytestmark = pytest.mark.integration
 
 
 def kunctl(cluster, *args, check=True):
-    out = subprocess.run([sys.executable, "-m", "kunserve.cli.kunctl", "--address", cluster.cfg.memory_manager.address,
-                          *args], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(kunctl_argv(cluster, *args), capture_output=True, text=True, timeout=120)
     if check:
         assert out.returncode == 0, out.stderr
     return out

@@ -32,7 +32,7 @@ V1_TOP_LEVEL = {"version", "services", "networks", "volumes", "secrets", "config
 V1_SERVICE_KEYS = {
     "build", "command", "container_name", "depends_on", "deploy", "entrypoint", "environment", "env_file",
     "healthcheck", "image", "init", "labels", "logging", "networks", "ports", "profiles", "restart",
-    "stop_grace_period", "stop_signal", "user", "volumes", "working_dir",
+    "secrets", "stop_grace_period", "stop_signal", "user", "volumes", "working_dir",
 }
 
 

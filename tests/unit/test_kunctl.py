@@ -208,7 +208,8 @@ class FakeMemoryManager(memory_manager_pb2_grpc.MemoryManagerServicer):
 
 
 @pytest.fixture
-def fake_mm():
+def fake_mm(monkeypatch):
+    monkeypatch.setenv("KUNSERVE_ADMIN_TOKEN", "unit-test-admin-token-0123456789")  # kunctl needs one to call
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     fake = FakeMemoryManager()
     memory_manager_pb2_grpc.add_MemoryManagerServicer_to_server(fake, server)

@@ -11,14 +11,15 @@ from kunserve.shared.transfer import (ACTIVATION, CHECKPOINT, CONTROL, KV_EXCHAN
 from kunserve.shared.transfer.framing import TAG_HEADER
 
 MiB = 1 << 20
+SECRET = b"test-cluster-secret-0123456789"
 pytestmark = pytest.mark.timeout(60)
 
 
 async def pair(bandwidth_bps=None, **cfg):
     registry = {}
     config = TransferConfig(trace_len=10_000, **cfg)
-    a = TransferService("a", MemoryTransport(registry, bandwidth_bps), config)
-    b = TransferService("b", MemoryTransport(registry, bandwidth_bps), config)
+    a = TransferService("a", MemoryTransport(registry, bandwidth_bps), config, secret=SECRET)
+    b = TransferService("b", MemoryTransport(registry, bandwidth_bps), config, secret=SECRET)
     await a.start()
     port = await b.start()
     assert await a.connect("mem", port, timeout=5) == "b"
@@ -168,7 +169,7 @@ def test_garbage_on_the_wire_is_a_protocol_error_naming_the_peer():
 
 def test_connect_errors_name_the_address_and_recv_waits_are_bounded():
     async def main():
-        svc = TransferService("x", MemoryTransport({}), TransferConfig())
+        svc = TransferService("x", MemoryTransport({}), TransferConfig(), secret=SECRET)
         await svc.start()
         with pytest.raises(TransferError, match="mem:1234"):
             await svc.connect("mem", 1234, timeout=1)

@@ -21,6 +21,7 @@ from kunserve.shared.transfer.ucx import ucx_available
 
 MiB = 1 << 20
 CHUNK = 1 * MiB  # fixed chunk size on both sides: deterministic chunk counts
+SECRET = "ucx-test-cluster-secret-0123456789"
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed")]
@@ -28,7 +29,7 @@ pytestmark = [pytest.mark.timeout(60),
 
 def spawn_peer():
     env = dict(os.environ, UCX_TLS="tcp", UCXPY_PROGRESS_MODE="blocking", UCX_WARN_UNUSED_ENV_VARS="n",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", KUNSERVE_CLUSTER_SECRET=SECRET)
     return subprocess.Popen(
         [sys.executable, "-m", "kunserve.shared.transfer.peer", "--name", "peer",
          "--min-chunk-bytes", str(CHUNK), "--max-chunk-bytes", str(CHUNK)],
@@ -73,7 +74,7 @@ def doomed_peer():
 
 
 async def connect(port, **cfg):
-    svc = TransferService("driver", config=TransferConfig(trace_len=100_000, **cfg))
+    svc = TransferService("driver", config=TransferConfig(trace_len=100_000, **cfg), secret=SECRET.encode())
     await svc.start()
     assert await svc.connect("127.0.0.1", port, timeout=10) == "peer"
     return svc
