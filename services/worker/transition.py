@@ -136,6 +136,7 @@ class TransitionRunner:
         self._lease_s = DEFAULT_LEASE_S
         self._lease_until = 0.0  # time.monotonic() after which a prepared, idle transition aborts itself
         self._lease_task: asyncio.Task | None = None
+        self._connecting: dict[str, asyncio.Task] = {}  # transfer links being opened, by peer
 
     # -- state ------------------------------------------------------------------------------------------
     @property
@@ -579,10 +580,27 @@ class TransitionRunner:
                 or not 0 < int(port) < 65536):
             raise TransitionRefused("INVALID_ARGUMENT", f"transfer address {addr!r} of worker {wid!r}: expected "
                                     "host:port of another worker")
-        try:  # expect=wid: a listener with another name is refused before its link is registered
-            await self.svc.connect(host, int(port), timeout=timeout_s, expect=wid)
+        # One connect per peer at a time, and never cancelled half way: the RPC that asked for it may be cancelled
+        # (its memory manager died), but abandoning UCX's endpoint set-up in the middle can crash the process. The
+        # connect is bounded by timeout_s on its own.
+        task = self._connecting.get(wid)
+        if task is None:
+            # expect=wid: a listener with another name is refused before its link is registered
+            task = asyncio.ensure_future(self.svc.connect(host, int(port), timeout=timeout_s, expect=wid))
+            self._connecting[wid] = task
+            task.add_done_callback(lambda t, wid=wid: self._connected(wid, t))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:
             raise TransitionRefused("UNAVAILABLE", f"cannot reach worker {wid} at {addr}: {exc}") from None
+
+    def _connected(self, wid: str, task: asyncio.Task) -> None:
+        if self._connecting.get(wid) is task:
+            del self._connecting[wid]
+        if not task.cancelled():
+            task.exception()  # its outcome reached whoever awaited it; nobody may have (the RPC went away)
 
     async def _on_engine(self, fn: Callable[[Engine], Any]) -> Any:
         return await asyncio.wait_for(asyncio.wrap_future(self.engine_loop.call(fn)), self.timeout_s)
