@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kunserve.shared.rpc import TLS
+
 if TYPE_CHECKING:
     from kunserve.cli.launcher import Child, LocalCluster
 
@@ -47,10 +49,11 @@ class _State:
     probed_at: float = 0.0
 
 
-def probe(address: str, timeout_s: float = 1.0) -> bool:
+def probe(address: str, timeout_s: float = 1.0, tls: TLS | None = None) -> bool:
     """True when the service at `address` answers SERVING on the standard health service."""
     try:
-        with grpc.insecure_channel(address) as ch:
+        with (grpc.secure_channel(address, tls.channel_credentials()) if tls is not None
+              else grpc.insecure_channel(address)) as ch:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
@@ -69,6 +72,7 @@ class Supervisor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._states: dict[str, _State] = {}
+        self._tls = cluster.tls
 
     def start(self) -> None:
         now = time.monotonic()
@@ -96,7 +100,7 @@ class Supervisor:
         if child.proc is not None and code is None:
             if self.probe_health and now - st.probed_at >= self.policy.probe_interval_s:
                 st.probed_at = now
-                if probe(child.address, timeout_s=min(1.0, self.policy.probe_interval_s)):
+                if probe(child.address, timeout_s=min(1.0, self.policy.probe_interval_s), tls=self._tls):
                     st.last_serving = now
                 elif st.last_serving is not None and now - st.last_serving >= self.policy.unhealthy_s:
                     self.report(f"{child.name} has not answered SERVING for {now - st.last_serving:.0f} s; "

@@ -31,6 +31,7 @@ class FakeCluster:
         self.children = [FakeChild(n) for n in names]
         self.spawned: list[str] = []
         self.killed: list[str] = []
+        self.tls = None
 
     def child(self, name: str) -> FakeChild:
         return next(c for c in self.children if c.name == name)
@@ -84,7 +85,7 @@ def test_a_child_that_stops_answering_serving_is_killed(monkeypatch):
     import kunserve.cli.supervisor as supervisor
 
     answers = iter([True, False, False, False])
-    monkeypatch.setattr(supervisor, "probe", lambda address, timeout_s: next(answers))
+    monkeypatch.setattr(supervisor, "probe", lambda address, timeout_s, tls: next(answers))
     cluster = FakeCluster("worker-0")
     lines: list[str] = []
     sup = Supervisor(cluster, RestartPolicy(unhealthy_s=2.0, probe_interval_s=1.0), lines.append)  # type: ignore[arg-type]
