@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from kunserve.shared.engine.api import EngineStats, FinishReason, SamplingParams
 from kunserve.v1 import common_pb2
 
@@ -57,10 +59,16 @@ def busy_idle_fields(b) -> dict[str, float]:
             "bubble_ratio": b.bubble_ratio}
 
 
-def stats_to_pb(s: EngineStats, **extra: object) -> common_pb2.WorkerStats:
+def stats_to_pb(s: EngineStats, now: float | None = None, **extra: object) -> common_pb2.WorkerStats:
+    """`now`: the engine's clock (time.monotonic()) at which the oldest waiting request's age is taken; the
+    default is the current time, so a snapshot the engine cached an iteration ago still reports the age now."""
+    if s.oldest_waiting_arrival is None:
+        age = 0.0
+    else:
+        age = max(0.0, (time.monotonic() if now is None else now) - s.oldest_waiting_arrival)
     return common_pb2.WorkerStats(
         kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used, block_size=s.block_size,
         num_running=s.num_running, num_waiting=s.num_waiting, queued_demand_blocks=s.queued_demand_blocks,
         num_preemptions=s.num_preemptions, prompt_tokens_total=s.prompt_tokens_total,
-        generated_tokens_total=s.generated_tokens_total, **extra,
+        generated_tokens_total=s.generated_tokens_total, oldest_waiting_age_s=age, **extra,
     )

@@ -1,11 +1,13 @@
 """Cluster load bookkeeping from worker stats: pure policy, no I/O (the monitor and tests share it).
 
 Overload follows Llumnix/KunServe: an instance is overloaded when the KV blocks in use plus the
-demand of its head-of-line queued requests exceed its capacity.
+demand of its head-of-line queued requests exceed its capacity, or (what its clients see) when its oldest
+request that has not started has waited longer than ``max_head_wait_s`` (the TTFT SLO).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -28,6 +30,7 @@ class _WorkerTrack:
 class ClusterLoad:
     stale_after_s: float = 3.0
     rate_smoothing: float = 0.5  # EWMA weight of the newest sample
+    max_head_wait_s: float = math.inf  # queue time beyond this is overload (the TTFT SLO); inf = KV only
     _workers: dict[str, _WorkerTrack] = field(default_factory=dict)
 
     def observe(self, stats: common_pb2.WorkerStats, now: float) -> None:
@@ -61,9 +64,9 @@ class ClusterLoad:
         return all(t.received_at > t0 and (t.stats.epoch >= min_epoch or (need is not None and wid not in need))
                    for wid, t in self._workers.items() if now - t.received_at <= self.stale_after_s)
 
-    @staticmethod
-    def is_overloaded(s: common_pb2.WorkerStats) -> bool:
-        return s.kv_blocks_used + s.queued_demand_blocks > s.kv_blocks_total
+    def is_overloaded(self, s: common_pb2.WorkerStats) -> bool:
+        return (s.kv_blocks_used + s.queued_demand_blocks > s.kv_blocks_total
+                or s.oldest_waiting_age_s > self.max_head_wait_s)
 
     def status(self, now: float, wall_now: float) -> monitor_pb2.ClusterStatus:
         out = monitor_pb2.ClusterStatus(timestamp_unix_s=wall_now)

@@ -4,7 +4,10 @@ Units are what the dispatcher routes to: an undropped instance or a pipeline gro
 of the whole model:
 
 - **overloaded** (Llumnix-style): ``used + head-of-line queued demand > capacity``: the request at the head
-  of its queue cannot be admitted. After ``overload_hold_s`` (0 = at once) the policy asks for a drop.
+  of its queue cannot be admitted; or its clients wait too long: the oldest request that has not started has
+  queued longer than ``max_head_wait_s`` (the TTFT SLO), so the policy sees what clients see even when the
+  queue is held back by something other than KV memory. After ``overload_hold_s`` (0 = at once) the policy
+  asks for a drop.
   The requirement R is the deficit of the overloaded units counting *all* their queued demand,
   ``sum(used + queued − capacity)``, plus ``margin_frac`` of their capacity for the KV growth of running
   decodes (KunServe §4.1 computes R from the queued requests' demand; ``requirement="queued"`` uses all
@@ -36,6 +39,7 @@ class UnitLoad:
     head_demand_blocks: int | None = None  # the head-of-line request's demand; None: unknown, use queued
     undropped_total_blocks: int | None = None  # capacity of its members as full instances; None = total
     members: int = 1                   # instances in the unit (> 1: a dropped pipeline group)
+    head_wait_s: float = 0.0           # how long its oldest not-yet-started request has waited (queue time)
 
     @property
     def head_demand(self) -> int:
@@ -47,6 +51,7 @@ class UnitLoad:
 
     @property
     def overloaded(self) -> bool:
+        """KV-blocked: the head-of-line request's demand does not fit (the queue-time half is the policy's)."""
         return self.used_blocks + self.head_demand > self.total_blocks
 
     @property
@@ -64,6 +69,7 @@ class OverloadConfig:
     action_timeout_s: float = 60.0     # a decision never confirmed by complete() expires
     margin_frac: float = 0.05
     requirement: str = "deficit"       # or "queued" (paper: the demand of all queued requests)
+    max_head_wait_s: float = math.inf  # a head-of-line wait beyond this is overload (the TTFT SLO); inf = off
 
     def __post_init__(self) -> None:
         if not 0 < self.restore_threshold < 1:
@@ -71,7 +77,7 @@ class OverloadConfig:
         if self.requirement not in ("deficit", "queued"):
             raise ValueError(f"unknown requirement mode {self.requirement!r}")
         if min(self.overload_hold_s, self.restore_hold_s, self.restore_cooldown_s, self.drop_cooldown_s,
-               self.margin_frac) < 0 or self.action_timeout_s <= 0:
+               self.margin_frac) < 0 or self.action_timeout_s <= 0 or not self.max_head_wait_s > 0:
             raise ValueError("times and margins must be >= 0")
 
 
@@ -97,13 +103,18 @@ class OverloadPolicy:
     _last_drop: float = -math.inf
     _last_restore: float = -math.inf
 
+    def overloaded(self, u: UnitLoad) -> bool:
+        """KV-blocked, or its oldest waiting request has queued longer than ``max_head_wait_s``."""
+        return u.overloaded or u.head_wait_s > self.config.max_head_wait_s
+
     def requirement(self, loads: Iterable[UnitLoad]) -> int:
-        over = [u for u in loads if u.overloaded]
+        over = [u for u in loads if self.overloaded(u)]
         if self.config.requirement == "queued":
             base = sum(u.queued_demand_blocks for u in over)
         else:
-            base = sum(max(0, u.usage - u.total_blocks) for u in over)
-            base = max(base, sum(u.used_blocks + u.head_demand - u.total_blocks for u in over))
+            # A unit overloaded by queue time alone needs room for what waits there (its queued demand).
+            base = sum(max(0, u.usage - u.total_blocks) if u.overloaded else u.queued_demand_blocks for u in over)
+            base = max(base, sum(u.used_blocks + u.head_demand - u.total_blocks for u in over if u.overloaded))
         margin = math.ceil(self.config.margin_frac * sum(u.total_blocks for u in over))
         return base + margin if over else 0
 
@@ -111,7 +122,7 @@ class OverloadPolicy:
         """Feed one snapshot of every unit's load; returns what to do now."""
         loads = list(loads)
         cfg = self.config
-        over = tuple(sorted(u.unit_id for u in loads if u.overloaded))
+        over = tuple(sorted(u.unit_id for u in loads if self.overloaded(u)))
         self._overloaded_since = (self._overloaded_since if self._overloaded_since is not None else now) \
             if over else None
         present = {u.unit_id for u in loads}
@@ -119,7 +130,7 @@ class OverloadPolicy:
             if uid not in present:
                 del self._below_since[uid]
         for u in loads:
-            low = u.members > 1 and not u.overloaded and u.usage < cfg.restore_threshold * u.undropped_total
+            low = u.members > 1 and not self.overloaded(u) and u.usage < cfg.restore_threshold * u.undropped_total
             if low:
                 self._below_since.setdefault(u.unit_id, now)
             else:
@@ -138,7 +149,12 @@ class OverloadPolicy:
                 return Decision(NONE, units=over, reason="drop cool-down after a restore")
             r = self.requirement(loads)
             self._pending = (DROP, now)
-            return Decision(DROP, r, over, reason=f"head-of-line blocked on {', '.join(over)}")
+            waits = [f"{u.unit_id} ({u.head_wait_s:.1f} s)" for u in loads
+                     if u.unit_id in over and not u.overloaded]
+            reason = f"head-of-line blocked on {', '.join(over)}"
+            if waits:
+                reason += f"; queue time over {cfg.max_head_wait_s:g} s on {', '.join(waits)}"
+            return Decision(DROP, r, over, reason=reason)
 
         if now - self._last_drop < cfg.restore_cooldown_s:
             return Decision(NONE, reason="restore cool-down after a drop")

@@ -146,6 +146,7 @@ def _build_one(gid: str, claimants: list[common_pb2.WorkerStats],
         head_demand_blocks=None,                  # stats carry all queued demand, not the head-of-line's
         undropped_total_blocks=undropped,
         members=len(members),
+        head_wait_s=head.oldest_waiting_age_s,    # the head owns the unit's queue
     )
     return Unit(gid, members, load, epochs.pop()), ""
 

@@ -8,20 +8,33 @@ request survives what happens to the worker serving it:
 * a layout transition moves the request to another worker (the stream's last event carries
   ``moved_to``): the dispatcher attaches there and keeps relaying;
 * a worker fails mid-stream: the request is resumed on a healthy instance by re-prefilling the prompt
-  plus the tokens already emitted (KunServe §4.4); the client stream continues without an error.
+  plus the tokens already emitted (KunServe §4.4); the client stream continues without an error;
+* a worker stalls (its stats polls stop answering, or its engine stops progressing, for
+  ``dispatcher.stall_timeout_s``): it leaves routing, its calls are cancelled (which frees their KV when it
+  wakes up) and its requests resume elsewhere the same way.
+
+It also guards the cluster (see kunserve.shared.admission): prompts are measured before they are tokenized
+or forwarded, requests beyond the in-flight and queued-prompt-token bounds get RESOURCE_EXHAUSTED with a
+retry hint, an accepted request that gets no first token within ``dispatcher.queue_timeout_s`` gets the same
+status instead of hanging, and a request can be cancelled only by the client that sent it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
+from kunserve.services.dispatcher.limits import DispatcherLimits
+from kunserve.shared.admission import Admission, Refusal
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.convert import sampling_from_pb
+from kunserve.shared.liveness import Liveness
 from kunserve.shared.log import get_logger
 from kunserve.shared.router import FreenessRouter, InstanceLoad, serving_from_stats
 from kunserve.shared.rpc import insecure_channel
@@ -34,6 +47,7 @@ ROUTE_RETRY_S = 0.05  # pause between polls while waiting for a routable worker
 POLL_TIMEOUT_S = 1.0
 CANCEL_RPC_TIMEOUT_S = 5.0
 SHUTTING_DOWN = "the dispatcher is shutting down"
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's retry convention: when to try again, in a trailer
 
 # A worker stream that broke with one of these (or ended without a finish event) lost its worker.
 _WORKER_FAILURE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -57,6 +71,10 @@ class RequestRecord:
     last_event: float = 0.0
     route_deadline: float | None = None  # set while waiting for a routable worker; cleared by a token
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # cuts waits short (cancel, shutdown)
+    owner: str = ""  # who may cancel it: the sender's credential (hashed) or connection
+    expired: bool = False  # no first token within the queue timeout: the stream ends with RESOURCE_EXHAUSTED
+    stalled_call: grpc.aio.UnaryStreamCall | None = None  # the call cancelled because its worker stalled
+    stall_reason: str = ""
 
 
 @dataclass
@@ -69,49 +87,73 @@ class _Segment:
     finished: bool = False
     moved_to: str = ""
     error: grpc.aio.AioRpcError | None = None
-    local_cancel: bool = False  # our own call.cancel() (Cancel or shutdown) ended it
+    local_cancel: bool = False  # our own call.cancel() (Cancel, shutdown, queue timeout) ended it
+    stalled: str = ""  # we cancelled it because its worker stalled (why): a worker failure, resumed elsewhere
 
 
 class WorkerPool:
-    """Channels to every worker plus the router fed by periodic GetStats polls."""
+    """Channels to every worker plus the router fed by periodic GetStats polls, and the liveness watch.
 
-    def __init__(self, cfg: ClusterConfig) -> None:
+    Each worker is polled on its own (a frozen one does not slow the polls of the others). A poll that
+    times out makes the worker not routable for new requests until a later poll answers; one that stays
+    unanswered -- or a worker whose engine has requests but stops progressing -- for ``stall_timeout_s``
+    is *stalled*: unhealthy (until a poll sent after that answers) and reported to ``on_stall`` listeners,
+    which move its requests elsewhere."""
+
+    def __init__(self, cfg: ClusterConfig, stall_timeout_s: float | None = None) -> None:
         self.addresses = {w.id: w.address for w in cfg.workers}
         self.channels = {wid: insecure_channel(addr) for wid, addr in self.addresses.items()}
         self.stubs = {wid: worker_pb2_grpc.WorkerStub(ch) for wid, ch in self.channels.items()}
         self.router = FreenessRouter()
+        self.liveness = Liveness(cfg.dispatcher.stall_timeout_s if stall_timeout_s is None else stall_timeout_s)
+        self.on_stall: list[Callable[[str, str], None]] = []  # (worker id, why): move its requests
         self.log = get_logger()
         self._healthy: dict[str, bool] = {}
         self._failed_at: dict[str, float] = {}  # when a request last saw the worker fail
-        self._poll: asyncio.Future | None = None
+        self._slow: set[str] = set()  # workers whose last poll timed out (logged once per episode)
+        self._polls: dict[str, asyncio.Future] = {}
 
-    async def poll_once(self, timeout: float = POLL_TIMEOUT_S) -> None:
-        async def one(wid: str) -> None:
-            sent = time.monotonic()
-            try:
-                s = await self.stubs[wid].GetStats(common_pb2.Empty(), timeout=timeout)
-            except grpc.aio.AioRpcError as exc:
-                # A busy worker answering late is not a dead one: keep its last state then.
-                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    self.mark(wid, False)
+    async def poll_one(self, wid: str, timeout: float = POLL_TIMEOUT_S) -> None:
+        sent = time.monotonic()
+        try:
+            s = await self.stubs[wid].GetStats(common_pb2.Empty(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.mark(wid, False)
                 return
-            if sent < self._failed_at.get(wid, -1.0):
-                return  # taken before a request saw this worker fail: stale, keep it unhealthy
-            serving = serving_from_stats(s.serving, s.group_id, s.transitioning, s.layer_start, s.layer_end,
-                                         s.num_layers_model)
-            self.router.update(InstanceLoad(wid, s.kv_blocks_total, s.kv_blocks_used, s.queued_demand_blocks,
-                                            s.block_size or 16, True, sent, serving=serving))
-            self.mark(wid, True)
+            # Busy or frozen: no new requests until it answers again; the liveness watch decides when its
+            # requests must move (a worker answering late is not yet a stalled one).
+            self.router.refused(wid, time.monotonic())
+            if wid not in self._slow:
+                self._slow.add(wid)
+                self.log.warning("worker_poll_timed_out", worker=wid, timeout_s=timeout)
+            return
+        if sent < self._failed_at.get(wid, -1.0):
+            return  # taken before a request saw this worker fail: stale, keep it unhealthy
+        if wid in self._slow:
+            self._slow.discard(wid)
+            self.log.info("worker_poll_answers_again", worker=wid)
+        serving = serving_from_stats(s.serving, s.group_id, s.transitioning, s.layer_start, s.layer_end,
+                                     s.num_layers_model)
+        self.liveness.answered(wid, time.monotonic(), work=(s.num_running + s.num_waiting) if serving else 0,
+                               progress=(s.prompt_tokens_total, s.generated_tokens_total),
+                               transitioning=s.transitioning)
+        alive = not self.liveness.stuck(wid)  # an engine that stalled stays out until it progresses again
+        self.router.update(InstanceLoad(wid, s.kv_blocks_total, s.kv_blocks_used, s.queued_demand_blocks,
+                                        s.block_size or 16, alive, sent, serving=serving))
+        self.mark(wid, alive)
 
-        await asyncio.gather(*(one(w) for w in self.stubs))
+    async def refresh_one(self, wid: str, timeout: float = POLL_TIMEOUT_S) -> None:
+        """One poll of the worker, shared: callers arriving while its poll is in flight await that one
+        instead of starting their own. A caller that is cancelled does not cancel the shared poll."""
+        poll = self._polls.get(wid)
+        if poll is None or poll.done():
+            poll = self._polls[wid] = asyncio.ensure_future(self.poll_one(wid, timeout))
+        await asyncio.shield(poll)
 
     async def refresh(self, timeout: float = POLL_TIMEOUT_S) -> None:
-        """One poll of every worker, shared: callers arriving while a poll is in flight await that one
-        instead of starting their own. A caller that is cancelled does not cancel the shared poll."""
-        poll = self._poll
-        if poll is None or poll.done():
-            poll = self._poll = asyncio.ensure_future(self.poll_once(timeout))
-        await asyncio.shield(poll)
+        """One (shared) poll of every worker."""
+        await asyncio.gather(*(self.refresh_one(w, timeout) for w in self.stubs))
 
     async def wait_for_workers(self, timeout_s: float) -> int:
         """Poll until every configured worker answers (or the deadline); returns how many are healthy.
@@ -137,41 +179,157 @@ class WorkerPool:
         self._healthy[wid] = healthy
         self.router.set_healthy(wid, healthy)
 
-    async def poll_forever(self, interval_s: float) -> None:
+    def check_liveness(self, now: float) -> list[str]:
+        """Declare stalled workers failed and tell the listeners; returns their ids."""
+        stalled = []
+        for wid in self.stubs:
+            why = self.liveness.stalled(wid, now)
+            if why is None:
+                continue
+            stalled.append(wid)
+            self.log.warning("worker_stalled", worker=wid, reason=why,
+                             stall_timeout_s=self.liveness.stall_timeout_s)
+            self.failed(wid)
+            for listener in self.on_stall:
+                listener(wid, why)
+        return stalled
+
+    def capacity(self) -> tuple[int, int]:
+        """(routable workers, their KV capacity in tokens): what the admission bounds scale with."""
+        ids = [iid for iid in self.router.instances if self.router.routable(iid)]
+        tokens = sum(self.router.instances[i].kv_blocks_total * self.router.instances[i].block_size for i in ids)
+        return len(ids), tokens
+
+    async def _poll_worker_forever(self, wid: str, interval_s: float) -> None:
         while True:
-            await self.refresh()
+            await self.refresh_one(wid)
             await asyncio.sleep(interval_s)
 
+    async def _watch_forever(self, interval_s: float) -> None:
+        while True:
+            self.check_liveness(time.monotonic())
+            await asyncio.sleep(interval_s)
+
+    async def poll_forever(self, interval_s: float) -> None:
+        await asyncio.gather(*(self._poll_worker_forever(w, interval_s) for w in self.stubs),
+                             self._watch_forever(interval_s))
+
     async def close(self) -> None:
-        if self._poll is not None and not self._poll.done():
-            self._poll.cancel()
+        for poll in self._polls.values():
+            if not poll.done():
+                poll.cancel()
         for ch in self.channels.values():
             await ch.close()
 
 
 class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, pool: WorkerPool, tokenizer, route_timeout_s: float = 30.0,
-                 max_resumes: int = MAX_RESUMES) -> None:
+                 max_resumes: int = MAX_RESUMES, limits: DispatcherLimits | None = None) -> None:
         self.pool = pool
         self.tokenizer = tokenizer  # None when the model ships no tokenizer: token-id prompts only
         self.route_timeout_s = route_timeout_s
         self.max_resumes = max_resumes
+        self.limits = limits or DispatcherLimits()
+        self.admission = Admission()
         self.records: dict[str, RequestRecord] = {}
         self.stopping = False  # shutdown() began: no new requests
         self.log = get_logger()
+        self._refusing = False  # admission is refusing requests (logged when it starts and stops)
+        pool.on_stall.append(self._worker_stalled)
 
     # -- helpers ----------------------------------------------------------------------------------
+    def _prompt_too_long(self, n: int, what: str) -> str:
+        bound = (f"the model context of {self.limits.context_len}" if self.limits.auto_prompt_tokens
+                 else f"dispatcher.max_prompt_tokens = {self.limits.max_prompt_tokens}")
+        return f"prompt: {n} {what} exceed {bound} tokens"
+
     async def _prompt_ids(self, request: generation_pb2.GenerateRequest, context) -> list[int]:
+        """The prompt's token ids, measured before anything is tokenized or copied: a text longer than
+        dispatcher.max_prompt_bytes and an id list longer than the token limit are refused at once."""
         kind = request.WhichOneof("prompt")
+        lim = self.limits
         if kind == "token_ids":
+            n = len(request.token_ids.ids)
+            if n > lim.max_prompt_tokens:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self._prompt_too_long(n, "token ids"))
             return list(request.token_ids.ids)
         if kind == "text":
             if self.tokenizer is None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     "prompt.text: the served model has no tokenizer; send prompt.token_ids")
-            return list(self.tokenizer.encode(request.text))
+            # characters <= UTF-8 bytes: a text with more characters than the bound is too long unencoded
+            size = len(request.text)
+            if size <= lim.max_prompt_bytes:
+                size = len(request.text.encode("utf-8"))
+            if size > lim.max_prompt_bytes:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"prompt.text: {size} bytes or more exceed dispatcher.max_prompt_bytes = "
+                                    f"{lim.max_prompt_bytes} (a text that long cannot fit {lim.max_prompt_tokens} "
+                                    "tokens); shorten the prompt")
+            ids = list(self.tokenizer.encode(request.text))
+            if len(ids) > lim.max_prompt_tokens:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self._prompt_too_long(len(ids), "tokens"))
+            return ids
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set either text or token_ids")
         return []
+
+    @staticmethod
+    def _owner(context) -> str:
+        """Who may cancel a request: the holder of the credential it was sent with (the `authorization`
+        metadata, hashed: never kept in clear), else the connection it came on."""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                raw = value if isinstance(value, bytes) else value.encode("utf-8")
+                return "credential:" + hashlib.sha256(raw).hexdigest()
+        return "peer:" + (context.peer() or "")
+
+    def _bounds(self) -> tuple[int, int]:
+        """(max in flight, max queued prompt tokens) now: they scale with the routable workers."""
+        routable, kv_tokens = self.pool.capacity()
+        units = max(1, routable)
+        tokens = self.limits.max_queued_prompt_tokens or max(kv_tokens, self.limits.max_prompt_tokens)
+        return self.limits.max_inflight_per_worker * units, tokens
+
+    async def _refuse(self, context, refusal: Refusal) -> None:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message,
+                            trailing_metadata=((RETRY_PUSHBACK_KEY, str(refusal.retry_after_ms)),))
+
+    def _admit(self, rid: str, prompt_tokens: int, now: float) -> Refusal | None:
+        max_inflight, max_tokens = self._bounds()
+        refusal = self.admission.admit(rid, prompt_tokens, now, max_inflight=max_inflight,
+                                       max_queued_tokens=max_tokens)
+        if refusal is not None and not self._refusing:
+            self._refusing = True
+            self.log.warning("admission_refusing", bound=refusal.bound, inflight=self.admission.inflight,
+                             max_inflight=max_inflight, queued_prompt_tokens=self.admission.queued_tokens,
+                             max_queued_prompt_tokens=max_tokens, retry_after_ms=refusal.retry_after_ms)
+        elif refusal is None and self._refusing:
+            self._refusing = False
+            self.log.info("admission_accepting_again", refused_total=self.admission.refused_total,
+                          inflight=self.admission.inflight)
+        return refusal
+
+    def _queue_expired(self, record: RequestRecord) -> None:
+        """The queue timeout: an accepted request still without a first token ends with RESOURCE_EXHAUSTED
+        (and leaves its worker) instead of hanging."""
+        if record.token_ids or record.finished or record.cancelled or record.shutting_down:
+            return
+        record.expired = True
+        record.wake.set()
+        if record.call is not None:
+            record.call.cancel()
+
+    def _worker_stalled(self, wid: str, why: str) -> None:
+        """The pool declared `wid` stalled: cancel our calls there; each request resumes elsewhere."""
+        moved = 0
+        for record in self.records.values():
+            call = record.call
+            if record.worker_id == wid and call is not None and not call.done():
+                record.stalled_call, record.stall_reason = call, f"worker {wid} stalled: {why}"
+                call.cancel()
+                moved += 1
+        if moved:
+            self.log.warning("requests_leaving_stalled_worker", worker=wid, requests=moved, reason=why)
 
     def _text(self, previous: list[int], token_id: int) -> str:
         if self.tokenizer is None or token_id < 0:
@@ -210,16 +368,27 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         sampling = sampling_from_pb(request.sampling)
         if sampling.max_tokens <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.max_tokens: must be > 0, got {sampling.max_tokens}")
+        total = len(prompt) + sampling.max_tokens
+        if total > self.limits.context_len:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) = "
+                                f"{total} exceeds the model context of {self.limits.context_len}")
+        refusal = self._admit(rid, len(prompt), arrival)
+        if refusal is not None:
+            await self._refuse(context, refusal)
         record = RequestRecord(rid, prompt, arrival, sampling=request.sampling, max_tokens=sampling.max_tokens,
-                               last_event=arrival)
+                               last_event=arrival, owner=self._owner(context))
         self.records[rid] = record
+        expiry = asyncio.get_running_loop().call_later(self.limits.queue_timeout_s, self._queue_expired, record)
         try:
             async for ev in self._serve(record, context):
                 yield ev
         finally:
+            expiry.cancel()
             if record.call is not None:
                 record.call.cancel()  # client went away or we failed: free the worker's KV now
             self.records.pop(rid, None)
+            self.admission.release(rid, time.monotonic())
 
     async def _serve(self, record: RequestRecord, context):
         """Drive one request over as many worker streams as it takes (retries, moves, resumes).
@@ -245,6 +414,15 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                 return
             if record.shutting_down or self.stopping:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{SHUTTING_DOWN}; retry the request")
+            if record.expired:
+                wait = self.admission.retry_after_s(time.monotonic())
+                self.log.warning("request_queue_timeout", request_id=rid, timeout_s=self.limits.queue_timeout_s,
+                                 worker=record.worker_id or None)
+                await self._refuse(context, Refusal(
+                    "dispatcher.queue_timeout_s",
+                    f"request {rid!r} got no first token within dispatcher.queue_timeout_s = "
+                    f"{self.limits.queue_timeout_s:g} s: the cluster is overloaded; retry in {wait * 1000:.0f} ms",
+                    wait))
             if attach_to:
                 wid, attach_to = attach_to, ""
                 wreq = worker_pb2.WorkerGenerateRequest(request_id=rid, attach=True)
@@ -270,7 +448,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                 self.pool.router.done(wid, rid)
             if seg.finished:
                 return
-            if record.cancelled or record.shutting_down or seg.local_cancel:
+            if record.cancelled or record.shutting_down or record.expired or seg.local_cancel:
                 continue
             if seg.moved_to:
                 moves += 1
@@ -302,12 +480,16 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         """A worker stream ended without finishing: decide between retry, resume and an error."""
         rid, wid, exc = record.request_id, seg.worker_id, seg.error
         code = exc.code() if exc is not None else None
-        details = (exc.details() or code.name) if exc is not None else "the stream ended without a finish event"
+        if seg.stalled:
+            details = seg.stalled
+        else:
+            details = (exc.details() or code.name) if exc is not None else "the stream ended without a finish event"
         if seg.attach and seg.received == 0:
             # The attach did not take (the new head does not know the request, died, or refuses):
-            # fall back to a resume by re-prefill. Make sure a half-alive copy there is dropped first.
+            # fall back to a resume by re-prefill. Make sure a half-alive copy there is dropped first
+            # (a stalled worker's copy goes with our cancelled call when it wakes up).
             failures.append(f"{wid}: attach failed: {code.name if code else 'ended'}: {details}")
-            if code == grpc.StatusCode.UNAVAILABLE:
+            if code == grpc.StatusCode.UNAVAILABLE or seg.stalled:
                 self.pool.failed(wid)
                 dead.add(wid)
             elif code != grpc.StatusCode.NOT_FOUND:
@@ -329,7 +511,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         if code is None or code in _WORKER_FAILURE_CODES:
             self.pool.failed(wid)
             dead.add(wid)
-            failures.append(f"{wid}: {code.name if code else 'ENDED'}: {details}")
+            failures.append(f"{wid}: {code.name if code else ('STALLED' if seg.stalled else 'ENDED')}: {details}")
             if record.token_ids:
                 await self._resume_or_give_up(record, wid, failures, context)
             else:
@@ -361,7 +543,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             record.route_deadline = time.monotonic() + self.route_timeout_s
         polled = logged = False
         while True:
-            if record.cancelled or record.shutting_down or self.stopping:
+            if record.cancelled or record.shutting_down or record.expired or self.stopping:
                 return None
             wid = router.choose(exclude=dead)
             if wid is not None:
@@ -412,6 +594,8 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                 if ev.token_id >= 0:
                     record.token_ids.append(ev.token_id)
                     record.route_deadline = None  # progress: a later wait gets the whole timeout again
+                    if len(record.token_ids) == 1:
+                        self.admission.started(record.request_id, now)  # its prompt no longer queues
                 if ev.finish_reason:
                     seg.finished = record.finished = True
                 yield generation_pb2.GenerateEvent(
@@ -427,7 +611,10 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # the client went away (or the server is stopping the handler)
-            seg.local_cancel = True  # our own call.cancel(): Cancel or shutdown
+            if record.stalled_call is call:
+                seg.stalled = record.stall_reason  # the worker stalled: resume elsewhere
+            else:
+                seg.local_cancel = True  # our own call.cancel(): Cancel, shutdown or the queue timeout
         except grpc.aio.AioRpcError as exc:
             seg.error = exc
         finally:
@@ -449,6 +636,11 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         record = self.records.get(rid)
         if record is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: no running request {rid!r}")
+        if record.owner != self._owner(context):
+            self.log.warning("cancel_refused_not_owner", request_id=rid, caller=context.peer())
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"request_id: {rid!r} was sent by another client; a request can be cancelled only "
+                                "on the connection (or with the credential) that sent it")
         if record.finished:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: {rid!r} already finished")
         # From here on nothing is retried, moved or resumed: the stream ends with ABORTED.

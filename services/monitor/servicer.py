@@ -4,6 +4,7 @@ runs the overload policy: drop on overload, restore on underload, through the me
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -20,8 +21,9 @@ from kunserve.v1 import common_pb2, memory_manager_pb2, memory_manager_pb2_grpc,
 
 
 class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
-    def __init__(self, stale_after_s: float) -> None:
-        self.load = ClusterLoad(stale_after_s=stale_after_s)
+    def __init__(self, stale_after_s: float, max_head_wait_s: float = math.inf) -> None:
+        # max_head_wait_s: the TTFT SLO; a worker whose oldest waiting request waited longer is overloaded
+        self.load = ClusterLoad(stale_after_s=stale_after_s, max_head_wait_s=max_head_wait_s)
         self.log = get_logger()
 
     async def ReportStats(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -322,8 +324,10 @@ def _changed_workers(rep: memory_manager_pb2.TransitionReport) -> set[str]:
     return {m.worker_id for g in groups for m in g.members}
 
 
-def overload_config_from(section) -> OverloadConfig:
-    """OverloadConfig from the config file's [monitor] section."""
+def overload_config_from(section, max_head_wait_s: float = math.inf) -> OverloadConfig:
+    """OverloadConfig from the config file's [monitor] section; ``max_head_wait_s`` is the TTFT SLO (slo.ttft_ms):
+    a unit whose oldest waiting request queued longer is overloaded."""
     return OverloadConfig(overload_hold_s=section.overload_hold_s, restore_threshold=section.restore_threshold,
                           restore_hold_s=section.restore_hold_s, restore_cooldown_s=section.restore_cooldown_s,
-                          action_timeout_s=600.0)  # actions are awaited inline and always completed
+                          action_timeout_s=600.0,  # actions are awaited inline and always completed
+                          max_head_wait_s=max_head_wait_s)

@@ -345,6 +345,14 @@ class Scheduler:
         seq.swapped_tokens = 0
         return True
 
+    def oldest_waiting_arrival(self) -> float | None:
+        """Arrival of the longest-waiting request that has produced no token yet (its client still waits for
+        the first one): the head-of-line queue time the overload signal counts. Preempted requests that
+        already streamed tokens are not counted: their arrival says nothing about how long they wait now, nor
+        are requests without an arrival time (0: set by tests and tools that do not stamp one)."""
+        return min((s.request.arrival_time for s in self.waiting if not s.generated and s.request.arrival_time > 0),
+                   default=None)
+
     def queued_demand_blocks(self) -> int:
         """KV blocks the waiting requests need to (re-)prefill: the router's and monitor's demand signal."""
         return sum(blocks_needed(len(s.tokens), self.block_size) for s in self.waiting)

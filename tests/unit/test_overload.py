@@ -135,3 +135,37 @@ def test_bad_config():
         OverloadConfig(restore_threshold=1.5)
     with pytest.raises(ValueError):
         OverloadConfig(requirement="everything")
+
+
+# --- queue time: a head-of-line wait beyond the TTFT SLO is overload (what clients see) ------------------------
+
+def waiting(uid, used, wait_s, queued=0, total=1000):
+    return UnitLoad(uid, used, total, queued, None, head_wait_s=wait_s)
+
+
+def test_head_of_line_wait_beyond_the_slo_is_overload_even_with_free_kv():
+    pol = OverloadPolicy(OverloadConfig(margin_frac=0.0, max_head_wait_s=5.0))
+    assert not pol.overloaded(waiting("a", 100, 4.9, queued=40))
+    assert pol.overloaded(waiting("a", 100, 5.1, queued=40))
+    assert not waiting("a", 100, 5.1, queued=40).overloaded  # the KV half alone says no
+    d = pol.observe(0.0, [waiting("a", 100, 6.0, queued=40), waiting("b", 100, 0.2)])
+    assert d.action == DROP and d.units == ("a",)
+    assert d.required_blocks == 40  # room for what waits there
+    assert "queue time over 5 s on a (6.0 s)" in d.reason
+
+
+def test_queue_time_is_ignored_unless_configured():
+    pol = OverloadPolicy(OverloadConfig(margin_frac=0.0))
+    assert pol.observe(0.0, [waiting("a", 100, 1e6, queued=40)]).action == NONE
+
+
+def test_a_waiting_group_is_not_restored():
+    pol = OverloadPolicy(OverloadConfig(restore_hold_s=0.0, restore_cooldown_s=0.0, max_head_wait_s=5.0))
+    slow = UnitLoad("g", 10, 2400, 0, None, 2000, 2, head_wait_s=9.0)
+    d = pol.observe(0.0, [slow])
+    assert d.action == DROP  # overloaded by queue time: never a restore candidate
+
+
+def test_max_head_wait_must_be_positive():
+    with pytest.raises(ValueError):
+        OverloadConfig(max_head_wait_s=0.0)

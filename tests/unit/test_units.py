@@ -146,3 +146,15 @@ def test_cluster_totals_count_a_pipeline_group_once():
     st = load.status(now=0.5, wall_now=0.0)
     assert (st.kv_blocks_total, st.kv_blocks_used, st.queued_demand_blocks) == (3400, 710, 30)
     assert len(st.workers) == 3                              # every worker is still listed
+
+
+def test_queue_time_reaches_the_unit_and_the_cluster_status():
+    s = common_pb2.WorkerStats(worker_id="w0", kv_blocks_total=100, kv_blocks_used=10, serving=True, group_id="w0",
+                               group_members=["w0"], num_layers_model=4, layer_end=4, oldest_waiting_age_s=7.5)
+    assert build_units([s]).loads[0].head_wait_s == 7.5
+    load = ClusterLoad(stale_after_s=3.0, max_head_wait_s=5.0)
+    load.observe(s, 0.0)
+    assert load.status(0.1, 0.0).overloaded  # KV is fine; its oldest waiting request is past the TTFT SLO
+    calm = ClusterLoad(stale_after_s=3.0)
+    calm.observe(s, 0.0)
+    assert not calm.status(0.1, 0.0).overloaded
