@@ -42,6 +42,9 @@ from kunserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_
 
 MAX_REQUEST_ID_LEN = 256
 MAX_RESUMES = 3  # worker failures after the first token before the client gets UNAVAILABLE
+# Workers that may fail under one request before it is given up (not carried to the next): a request that
+# was running on two workers that both crashed may be what crashes them (a poison request).
+MAX_WORKER_CRASHES = 2
 MAX_MOVES = 32  # layout moves of one request (each is an attach): a bound against ping-pong
 ROUTE_RETRY_S = 0.05  # pause between polls while waiting for a routable worker
 POLL_TIMEOUT_S = 1.0
@@ -68,6 +71,7 @@ class RequestRecord:
     finished: bool = False  # the final event was relayed
     index_offset: int = 0  # tokens emitted before the current worker-side incarnation (resume)
     resumes: int = 0
+    crashes: int = 0  # workers that failed (not stalled) while this request ran there
     last_event: float = 0.0
     route_deadline: float | None = None  # set while waiting for a routable worker; cleared by a token
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # cuts waits short (cancel, shutdown)
@@ -512,11 +516,17 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             self.pool.failed(wid)
             dead.add(wid)
             failures.append(f"{wid}: {code.name if code else ('STALLED' if seg.stalled else 'ENDED')}: {details}")
+            record.crashes += not seg.stalled
             if record.token_ids:
                 await self._resume_or_give_up(record, wid, failures, context)
             else:
                 # Nothing was streamed yet: a plain retry elsewhere.
                 self.log.warning("worker_unavailable_retrying", request_id=rid, worker=wid, error=details)
+            if record.crashes >= MAX_WORKER_CRASHES and self.pool.router.choose(exclude=dead) is not None:
+                self.log.error("request_quarantined", request_id=rid, crashes=record.crashes, failures=failures)
+                await context.abort(grpc.StatusCode.INTERNAL,
+                                    f"request {rid!r} was running on {record.crashes} workers that failed; it is not "
+                                    "sent to another, since it may be what makes them fail: " + "; ".join(failures))
             return
         # Validation and other errors from the worker keep their status and message.
         await context.abort(code, details)

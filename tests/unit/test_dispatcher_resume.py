@@ -237,6 +237,28 @@ def test_resumes_are_bounded_and_the_error_names_the_workers():
     assert err.details().count("crashed") == 2
 
 
+def test_a_request_two_workers_died_under_is_not_carried_to_a_third():
+    """A poison request (one that crashes the worker running it) costs at most two workers: it is not sent
+    to the third, which keeps serving others."""
+    async def scenario():
+        async with FakeCluster(3) as fc:
+            fc.workers["worker-1"].stats.kv_blocks_used = 10  # route order: worker-0, worker-1, then worker-2
+            fc.workers["worker-2"].stats.kv_blocks_used = 20
+            await fc.pool.refresh()
+            fc.workers["worker-0"].plan = [("die", 0)]
+            fc.workers["worker-1"].plan = [("die", 2)]
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await fc.generate(PROMPT, 20)
+            third = len(fc.workers["worker-2"].calls)
+            res, _ = await fc.generate(PROMPT, 4)  # the survivor serves the next request
+            return e.value, third, res
+
+    err, third, res = run(scenario())
+    assert err.code() == grpc.StatusCode.INTERNAL and "may be what makes them fail" in err.details()
+    assert "worker-0" in err.details() and "worker-1" in err.details()
+    assert third == 0 and res.worker_id == "worker-2" and len(res.token_ids) == 4
+
+
 def test_every_worker_dead_fails_fast_naming_them():
     async def scenario():
         async with FakeCluster(2, route_timeout_s=20) as fc:
