@@ -16,7 +16,7 @@ import grpc
 from kunserve.shared import credentials
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.convert import FINISH_NAMES
-from kunserve.shared.rpc import TLS, channel, insecure_channel
+from kunserve.shared.rpc import TLS, channel
 from kunserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
@@ -41,6 +41,12 @@ def credentials_from(cfg: ClusterConfig, environ=None, admin_token_file: str | N
 def dispatcher_channel(address: str, creds: Credentials | None = None) -> grpc.aio.Channel:
     creds = creds or Credentials()
     return channel(address, token=creds.api_key, tls=creds.tls)
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    """A plaintext channel with no credential: the client port of a cluster that has no API key and no TLS
+    (a local `kunserve up`)."""
+    return dispatcher_channel(address)
 
 
 def admin_channel(address: str, creds: Credentials | None = None) -> grpc.aio.Channel:

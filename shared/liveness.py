@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 @dataclass
 class _Track:
     last_answer: float                   # when a poll last answered
-    progress: tuple[int, ...] = ()       # the token counters last seen
+    progress: tuple[float, ...] = ()     # the progress counters last seen (tokens, busy seconds)
     progress_at: float = 0.0             # when they last moved (or the worker had nothing to do)
     busy: bool = False                   # it had requests (and was not transitioning) in the last answer
     work: int = 0                        # how many (for the message)
@@ -34,10 +34,10 @@ class Liveness:
     stall_timeout_s: float = 3.0
     _tracks: dict[str, _Track] = field(default_factory=dict)
 
-    def answered(self, worker_id: str, now: float, *, work: int, progress: tuple[int, ...],
+    def answered(self, worker_id: str, now: float, *, work: int, progress: tuple[float, ...],
                  transitioning: bool) -> None:
         """A stats poll answered at `now`: `work` requests running or waiting, `progress` its cumulative token
-        counters. A transitioning worker is paused on purpose: its progress clock does not run."""
+        counters (tokens, busy seconds). A transitioning worker is paused on purpose: its progress clock does not run."""
         t = self._tracks.get(worker_id)
         if t is None:
             t = self._tracks[worker_id] = _Track(last_answer=now, progress=progress, progress_at=now)

@@ -53,6 +53,9 @@ Register = Callable[[grpc.aio.Server], None]
 AUTH_METADATA = "authorization"
 BEARER = "Bearer "
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)  # probes (compose, supervisors) need no credential
+# Trailing metadata on a stream a worker itself ends with UNAVAILABLE (shutting down, the request lost to a layout
+# change): the dispatcher resumes the request elsewhere without counting that worker as one that crashed under it.
+WORKER_END = "kunserve-worker-end"
 
 
 @dataclass(frozen=True)
@@ -159,9 +162,6 @@ def channel(address: str, token: str | None = None, tls: TLS | None = None) -> g
                                        interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
-
-# The name the services' and tests' call sites predate credentials with; the channel carries them all the same.
-insecure_channel = channel
 
 
 class _Malformed:

@@ -80,7 +80,7 @@ class Supervisor:
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = 45.0) -> None:  # longer than one kill's wait (30 s)
         """Stop supervising (before the cluster is stopped, so nothing is restarted while it stops)."""
         self._stop.set()
         if self._thread is not None:
@@ -92,7 +92,10 @@ class Supervisor:
     def _run(self) -> None:
         while not self._stop.wait(0.2):
             for child in list(self.cluster.children):
-                self._check(child, time.monotonic())
+                try:
+                    self._check(child, time.monotonic())
+                except Exception as exc:  # one child's trouble (a kill that timed out, a failed spawn) is reported,
+                    self.report(f"{child.name}: supervision step failed: {type(exc).__name__}: {exc}")  # the rest go on
 
     def _check(self, child: Child, now: float) -> None:
         st = self._states.setdefault(child.name, _State(started_at=now))

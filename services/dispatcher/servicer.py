@@ -37,7 +37,7 @@ from kunserve.shared.convert import sampling_from_pb
 from kunserve.shared.liveness import Liveness
 from kunserve.shared.log import get_logger
 from kunserve.shared.router import FreenessRouter, InstanceLoad, serving_from_stats
-from kunserve.shared.rpc import insecure_channel
+from kunserve.shared.rpc import WORKER_END, channel
 from kunserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 MAX_REQUEST_ID_LEN = 256
@@ -54,6 +54,11 @@ RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's retry convention: when t
 
 # A worker stream that broke with one of these (or ended without a finish event) lost its worker.
 _WORKER_FAILURE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+def _ended_by_worker(exc: grpc.aio.AioRpcError | None) -> bool:
+    """The worker ended the stream on purpose (shutdown, request lost to a layout change), rather than dying."""
+    return exc is not None and any(k == WORKER_END for k, _ in (exc.trailing_metadata() or ()))
 
 
 @dataclass
@@ -106,8 +111,9 @@ class WorkerPool:
 
     def __init__(self, cfg: ClusterConfig, stall_timeout_s: float | None = None) -> None:
         self.addresses = {w.id: w.address for w in cfg.workers}
-        self.channels = {wid: insecure_channel(addr) for wid, addr in self.addresses.items()}
+        self.channels = {wid: channel(addr) for wid, addr in self.addresses.items()}
         self.stubs = {wid: worker_pb2_grpc.WorkerStub(ch) for wid, ch in self.channels.items()}
+        self._kv_tokens_seen = 0  # the routable units' KV capacity when last there was one (see capacity)
         self.router = FreenessRouter()
         self.liveness = Liveness(cfg.dispatcher.stall_timeout_s if stall_timeout_s is None else stall_timeout_s)
         self.on_stall: list[Callable[[str, str], None]] = []  # (worker id, why): move its requests
@@ -140,7 +146,10 @@ class WorkerPool:
         serving = serving_from_stats(s.serving, s.group_id, s.transitioning, s.layer_start, s.layer_end,
                                      s.num_layers_model)
         self.liveness.answered(wid, time.monotonic(), work=(s.num_running + s.num_waiting) if serving else 0,
-                               progress=(s.prompt_tokens_total, s.generated_tokens_total),
+                               # busy seconds move during a long prefill too (a chunk computes for a while
+                               # before any token counter does); a hung iteration is the worker's own
+                               # watchdog's to catch (it answers NOT_SERVING)
+                               progress=(s.prompt_tokens_total, s.generated_tokens_total, s.busy_seconds_total),
                                transitioning=s.transitioning)
         alive = not self.liveness.stuck(wid)  # an engine that stalled stays out until it progresses again
         self.router.update(InstanceLoad(wid, s.kv_blocks_total, s.kv_blocks_used, s.queued_demand_blocks,
@@ -199,10 +208,18 @@ class WorkerPool:
         return stalled
 
     def capacity(self) -> tuple[int, int]:
-        """(routable workers, their KV capacity in tokens): what the admission bounds scale with."""
-        ids = [iid for iid in self.router.instances if self.router.routable(iid)]
-        tokens = sum(self.router.instances[i].kv_blocks_total * self.router.instances[i].block_size for i in ids)
-        return len(ids), tokens
+        """(live workers, the routable units' KV capacity in tokens): what the admission bounds scale with.
+
+        Every live worker counts, routable or not: members of a pipeline group serve through its head, and a
+        worker in the middle of a drop serves again in a moment; a dead or stalled one does not count. A
+        group's KV is its head's (the members share one block-id space), so a drop does not shrink the token
+        bound; while no unit is routable (every worker mid-transition) the last capacity seen stands."""
+        insts = self.router.instances
+        live = sum(1 for i in insts.values() if i.healthy)
+        tokens = sum(insts[i].kv_blocks_total * insts[i].block_size for i in insts if self.router.routable(i))
+        if tokens:
+            self._kv_tokens_seen = tokens
+        return live, tokens or self._kv_tokens_seen
 
     async def _poll_worker_forever(self, wid: str, interval_s: float) -> None:
         while True:
@@ -288,7 +305,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         return "peer:" + (context.peer() or "")
 
     def _bounds(self) -> tuple[int, int]:
-        """(max in flight, max queued prompt tokens) now: they scale with the routable workers."""
+        """(max in flight, max queued prompt tokens) now: they scale with the live workers (see capacity)."""
         routable, kv_tokens = self.pool.capacity()
         units = max(1, routable)
         tokens = self.limits.max_queued_prompt_tokens or max(kv_tokens, self.limits.max_prompt_tokens)
@@ -516,7 +533,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             self.pool.failed(wid)
             dead.add(wid)
             failures.append(f"{wid}: {code.name if code else ('STALLED' if seg.stalled else 'ENDED')}: {details}")
-            record.crashes += not seg.stalled
+            record.crashes += not seg.stalled and not _ended_by_worker(exc)
             if record.token_ids:
                 await self._resume_or_give_up(record, wid, failures, context)
             else:

@@ -30,7 +30,7 @@ from kunserve.shared.epochs import MAX_EPOCH
 from kunserve.shared.faults import fault_armed, fault_point
 from kunserve.shared.log import get_logger
 from kunserve.shared.transition import Member, SeqMove, TransitionError, UnitDef, assign_restore_targets, assign_tables
-from kunserve.v1 import common_pb2, memory_manager_pb2, worker_pb2, worker_pb2_grpc
+from kunserve.v1 import common_pb2, memory_manager_pb2, worker_pb2
 
 
 class OrchestrationError(Exception):

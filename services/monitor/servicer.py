@@ -15,7 +15,7 @@ import grpc
 from kunserve.shared.load import ClusterLoad
 from kunserve.shared.log import get_logger
 from kunserve.shared.overload import DROP, NONE, RESTORE, Decision, OverloadConfig, OverloadPolicy
-from kunserve.shared.rpc import insecure_channel
+from kunserve.shared.rpc import channel
 from kunserve.shared.units import build_units
 from kunserve.v1 import common_pb2, memory_manager_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc
 
@@ -72,7 +72,7 @@ class GrpcMemoryManager:
 
     def _get_stub(self) -> memory_manager_pb2_grpc.MemoryManagerStub:
         if self._stub is None:
-            self._channel = insecure_channel(self.address)
+            self._channel = channel(self.address)
             self._stub = memory_manager_pb2_grpc.MemoryManagerStub(self._channel)
         return self._stub
 

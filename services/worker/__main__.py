@@ -17,6 +17,9 @@ from kunserve.shared.transfer.service import TransferService
 from kunserve.v1 import worker_pb2_grpc
 
 
+ENGINE_STUCK_S = 120.0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = service_arg_parser("kunserve-worker", "A worker: holds a layer range of the model and runs the engine.")
     parser.add_argument("--worker-id", default=os.environ.get("KUNSERVE_WORKER_ID"),
@@ -38,6 +41,10 @@ def main(argv: list[str] | None = None) -> None:
             raise RuntimeError("injected engine fault")
 
         engine_loop.engine.runner.forward = failing_forward
+
+    # NOT_SERVING once the engine died, or while one iteration has run far longer than any should (hung without
+    # raising: a group head waits at most transition_timeout_s for a stage's result before it heals)
+    stuck_s = max(ENGINE_STUCK_S, 2 * cfg.memory_manager.transition_timeout_s)
 
     async def amain() -> None:
         wsec = cfg.worker(args.worker_id)
@@ -71,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         await rpc.run_service("kunserve.v1.Worker", wsec.bind_address, register, on_started=started,
                               on_shutdown=stopping, auth=internal_rules(creds), tls=creds.tls,
                               require_client_cert=creds.tls is not None and creds.tls.mutual,
-                              alive=lambda: engine_loop.error is None)  # NOT_SERVING once the engine died
+                              alive=lambda: engine_loop.error is None and engine_loop.step_seconds() < stuck_s)
 
     rpc.run(amain)
 

@@ -16,7 +16,7 @@ from typing import Callable
 import grpc
 
 from kunserve.shared.log import get_logger
-from kunserve.shared.rpc import insecure_channel
+from kunserve.shared.rpc import channel
 from kunserve.v1 import common_pb2, monitor_pb2_grpc
 
 INITIAL_BACKOFF_S = 0.2
@@ -52,8 +52,8 @@ async def report_stats_forever(monitor_address: str, interval_s: float,
 
         started = time.monotonic()
         try:
-            async with insecure_channel(monitor_address) as channel:
-                stub = monitor_pb2_grpc.MonitorStub(channel)
+            async with channel(monitor_address) as ch:
+                stub = monitor_pb2_grpc.MonitorStub(ch)
                 if not connected_once:
                     log.info("stats_stream_opening", monitor=monitor_address)
                 connected_once = True

@@ -18,6 +18,7 @@ from kunserve.shared.engine.loop import EngineStopped
 from kunserve.shared.engine.pooled import LayerChange, PooledInstance
 from kunserve.shared.epochs import epoch_error
 from kunserve.shared.log import get_logger
+from kunserve.shared.rpc import WORKER_END
 from kunserve.shared.memory.errors import MemoryPoolError
 from kunserve.shared.streams import Shutdown, StreamRegistry
 from kunserve.shared.transfer.service import TransferError
@@ -114,7 +115,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             while True:
                 item = await queue.get()
                 if isinstance(item, Shutdown):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, item.message)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, item.message,
+                                        trailing_metadata=((WORKER_END, "shutdown"),))
                 if isinstance(item, Moved):
                     finished = True  # the engine here no longer has it
                     yield worker_pb2.WorkerTokenEvent(request_id=rid, token_id=-1, moved_to=item.worker_id)
@@ -131,7 +133,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     finished = True
                     why = f"engine failed: {self.engine.error!r}" if self.engine.error is not None else \
                         "it cannot serve this request any more (layout changed)"
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {wid}: {why}; resume it elsewhere")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {wid}: {why}; resume it elsewhere",
+                                        trailing_metadata=((WORKER_END, "lost"),))
                 if ev.finish_reason is FinishReason.ABORTED and ev.token_id < 0:
                     finished = True
                     yield worker_pb2.WorkerTokenEvent(request_id=rid, token_id=-1, index=ev.index,

@@ -135,7 +135,7 @@ class TransitionRunner:
         self._steps = asyncio.Lock()  # one step at a time (the lease's abort included)
         self._lease_s = DEFAULT_LEASE_S
         self._lease_until = 0.0  # time.monotonic() after which a prepared, idle transition aborts itself
-        self._lease_task: asyncio.Task | None = None
+        self._lease_watch: asyncio.Task | None = None  # held so the task is not garbage-collected mid-wait
         self._connecting: dict[str, asyncio.Task] = {}  # transfer links being opened, by peer
 
     # -- state ------------------------------------------------------------------------------------------
@@ -179,10 +179,13 @@ class TransitionRunner:
                     continue  # a step or a renewal came in meanwhile
                 self.log.error("transition_lease_expired", epoch=epoch, lease_s=self._lease_s, executed=p.executed,
                                action="healing to a whole instance" if p.executed else "resuming the old layout")
-                joined = self.role if p.executed else None
-                await self._abort(epoch)
-                if joined is not None:
-                    self._tell_members_we_left(joined)
+                try:
+                    await self._abort(epoch)
+                except Exception as exc:  # never stay paused: resume as is (a broken engine reports NOT_SERVING)
+                    self.log.exception("transition_lease_abort_failed", epoch=epoch, error=repr(exc))
+                    if self.prepared is p:
+                        self.prepared = None
+                        self.engine_loop.resume()
             return
 
     # -- gRPC steps -------------------------------------------------------------------------------------
@@ -191,7 +194,7 @@ class TransitionRunner:
             reply = await self._prepare(spec)
             self._lease_s = spec.lease_s or DEFAULT_LEASE_S
             self._extend_lease()
-            self._lease_task = asyncio.get_running_loop().create_task(self._watch_lease(spec.epoch))
+            self._lease_watch = asyncio.get_running_loop().create_task(self._watch_lease(spec.epoch))
             return reply
 
     async def execute(self, spec: worker_pb2.TransitionSpec) -> worker_pb2.TransitionDone:
@@ -260,18 +263,24 @@ class TransitionRunner:
         failed): heal to a whole instance keeping this worker's own requests (re-prefilled). After a
         commit into a group: leave the group the same way."""
         p = self.prepared
+        joined = self.role  # after Execute or a commit: the group this worker is leaving
         if p is not None and p.spec.epoch == epoch:
             if p.executed:
                 self.log.warning("transition_undone_healing", epoch=epoch)
                 await self._undo(p)
                 self.epoch = max(self.epoch, epoch)
             else:
+                joined = None  # nothing changed: no group was joined
                 self.log.info("transition_aborted", epoch=epoch)
             self.prepared = None
             self.engine_loop.resume()
         elif p is None and self.epoch == epoch and self.role is not None:
             self.log.warning("transition_undone_healing", epoch=epoch)
             await self._on_engine(lambda engine: self._heal(engine))
+        else:
+            joined = None
+        if joined is not None:  # a member that did commit (or is still executing) must not wait for us
+            self._tell_members_we_left(joined)
         return self._done(epoch, TransitionStats())
 
     async def _undo(self, p: _Prepared) -> None:

@@ -185,8 +185,8 @@ class Engine:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenEvent]:
         """One token per row of logits; a row that cannot be sampled fails its request alone."""
         tokens = sample_rows(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs])
-        return [self._append(seq, tok) if tok is not None else self.fail(seq.request_id, "the model produced "
-                f"non-finite logits for this request at token {len(seq.generated)}")
+        return [self._append(seq, tok) if tok is not None else self.fail(seq.request_id, "its logits could not be "
+                f"sampled at token {len(seq.generated)} (non-finite logits from the model)")
                 for seq, tok in zip(seqs, tokens)]
 
     def fail(self, request_id: str, why: str) -> TokenEvent:

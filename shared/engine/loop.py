@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -56,6 +57,7 @@ class EngineLoop:
         self.error: BaseException | None = None  # what killed the engine thread, if anything
         self.log = get_logger()
         self._paused = False  # a layout transition holds the engine: commands run, iterations do not
+        self._step_started: float | None = None  # time.monotonic() when the iteration in progress began
         # Called on the engine thread when a pipeline stage is lost (GroupBroken): the worker heals to a
         # whole instance there; without it (or when it fails) the loop stops like on any crash.
         self.on_group_broken: Callable[[Engine, GroupBroken], None] | None = None
@@ -121,6 +123,12 @@ class EngineLoop:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    def step_seconds(self) -> float:
+        """How long the iteration in progress has been running (0 between iterations): a liveness signal for
+        an engine that hangs without raising."""
+        started = self._step_started
+        return time.monotonic() - started if started is not None else 0.0
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest iteration (never blocks on a running step)."""
@@ -227,6 +235,7 @@ class EngineLoop:
                 self._apply_commands()
                 if self._paused:
                     continue
+                self._step_started = time.monotonic()
                 try:
                     events = self.engine.step()
                 except GroupBroken as exc:
@@ -235,6 +244,7 @@ class EngineLoop:
                     self.log.error("pipeline_group_broken", error=str(exc))
                     self.on_group_broken(self.engine, exc)  # raises when healing fails: the loop stops
                     events = []
+                self._step_started = None
                 for ev in events:
                     if ev.finish_reason is FinishReason.ERROR:
                         self.log.error("request_failed", request_id=ev.request_id, error=ev.error)

@@ -197,11 +197,14 @@ def test_memory_manager_killed_at_each_step_of_a_drop_leaves_every_worker_servin
     assert healed <= LEASE_S + 15
 
 
-def test_a_restarted_memory_manager_rolls_back_the_transition_it_finds_half_done(cluster):
+@pytest.mark.parametrize("step", ["after_prepare", "in_commit"])
+def test_a_restarted_memory_manager_rolls_back_the_transition_it_finds_half_done(cluster, step):
     """The dead memory manager gave a 10-minute lease: the workers would stay paused that long on their own.
-    Its successor finds them transitioning in an epoch it never started and aborts it at once."""
-    _restart_mm(cluster, "after_prepare", lease_s=600)
-    died, healed = _drop_while_decoding(cluster, seed=11, heal_within_s=30, restart_after_death=True)
+    Its successor finds them transitioning in an epoch it never started and aborts it at once; after
+    `in_commit` the member that had committed hears that the other left and heals too."""
+    _restart_mm(cluster, step, lease_s=600)
+    died, healed = _drop_while_decoding(cluster, seed=11 + STEPS.index(step), heal_within_s=30,
+                                        restart_after_death=True)
     assert died.code() == grpc.StatusCode.UNAVAILABLE
     assert "orphaned_transition_aborting" in cluster.child(MM).log_path.read_text()
 

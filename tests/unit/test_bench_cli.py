@@ -7,7 +7,6 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

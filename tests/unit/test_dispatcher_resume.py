@@ -20,6 +20,7 @@ from kunserve import client
 from kunserve.cli.launcher import assign_free_ports, with_workers
 from kunserve.services.dispatcher.servicer import DispatcherServicer, WorkerPool
 from kunserve.shared.config import load_config
+from kunserve.shared.rpc import WORKER_END
 from kunserve.v1 import common_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,7 +43,8 @@ def reference(prompt: list[int], n: int) -> list[int]:
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
     """A worker whose Generate follows `plan`: a list of per-call behaviours, the last one repeating.
 
-    Behaviours: "ok"; ("die", n) UNAVAILABLE after n tokens; ("end", n) ends without a finish event after
+    Behaviours: "ok"; ("die", n) UNAVAILABLE after n tokens; ("stop", n) the same, as a worker shutting down
+    says it (WORKER_END trailer); ("end", n) ends without a finish event after
     n tokens; ("move", n, wid) moves the request to worker `wid` after n tokens; "refuse"
     FAILED_PRECONDITION before any token; ("error", code) before any token; "slow" (a token per 50 ms).
     """
@@ -85,9 +87,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         cancelled = self.active.setdefault(rid, asyncio.Event())
         try:
             for i in range(start, max_tokens):
-                if kind in ("die", "end", "move") and i - start == b[1]:
+                if kind in ("die", "stop", "end", "move") and i - start == b[1]:
                     if kind == "die":
                         await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.wid} crashed")
+                    if kind == "stop":  # what a worker that shuts down says to its streams
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.wid} is shutting down",
+                                            trailing_metadata=((WORKER_END, "shutdown"),))
                     if kind == "end":
                         return
                     self.cluster.moved[(b[2], rid)] = (seq, n_prompt, i, max_tokens)
@@ -257,6 +262,21 @@ def test_a_request_two_workers_died_under_is_not_carried_to_a_third():
     assert err.code() == grpc.StatusCode.INTERNAL and "may be what makes them fail" in err.details()
     assert "worker-0" in err.details() and "worker-1" in err.details()
     assert third == 0 and res.worker_id == "worker-2" and len(res.token_ids) == 4
+
+
+def test_workers_that_shut_down_under_a_request_are_not_counted_as_crashes():
+    async def scenario():
+        async with FakeCluster(3) as fc:
+            fc.workers["worker-1"].stats.kv_blocks_used = 10
+            fc.workers["worker-2"].stats.kv_blocks_used = 20
+            await fc.pool.refresh()
+            fc.workers["worker-0"].plan = [("stop", 2)]
+            fc.workers["worker-1"].plan = [("stop", 2)]
+            return await fc.generate(PROMPT, 12)
+
+    res, events = run(scenario())
+    assert_one_stream(res, events, 12)
+    assert [e.worker_id for e in events] == ["worker-0"] * 2 + ["worker-1"] * 2 + ["worker-2"] * 8
 
 
 def test_every_worker_dead_fails_fast_naming_them():
