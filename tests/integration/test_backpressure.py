@@ -129,7 +129,9 @@ def test_oversize_prompts_are_refused_and_the_dispatcher_memory_stays_flat(clust
             return before, after, healthy, health_s, res
 
     before, after, healthy, health_s, res = run(scenario(), timeout=240)
-    assert after - before < 32 * MIB, f"dispatcher RSS grew {(after - before) / MIB:.1f} MiB"
+    # Kept prompts would be >= 240 MiB here (the defect: 2.3 GiB); gRPC's transient buffers come and go (10-30 MiB
+    # seen between samples on a loaded machine, flat over 120 refusals), so the bound leaves room for them.
+    assert after - before < 64 * MIB, f"dispatcher RSS grew {(after - before) / MIB:.1f} MiB"
     assert healthy and health_s < 1.0
     check_against_reference([1, 2, 3], res.token_ids, 4)
 
