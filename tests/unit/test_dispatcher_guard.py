@@ -270,7 +270,7 @@ def test_with_a_credential_the_owner_is_the_credential_not_the_connection():
 
 def test_frozen_worker_requests_resume_elsewhere_and_it_rejoins_when_thawed():
     async def scenario():
-        async with GuardCluster(2, stall_timeout_s=0.5) as fc:
+        async with GuardCluster(2, stall_timeout_s=1.0) as fc:
             w0, w1 = fc.workers["worker-0"], fc.workers["worker-1"]
             w1.stats.kv_blocks_used = 50  # worker-0 is chosen first
             await fc.pool.refresh()
@@ -297,7 +297,7 @@ def test_frozen_worker_requests_resume_elsewhere_and_it_rejoins_when_thawed():
 
 def test_engine_without_progress_behind_a_live_server_counts_as_stalled():
     async def scenario():
-        async with GuardCluster(2, stall_timeout_s=0.5) as fc:
+        async with GuardCluster(2, stall_timeout_s=1.0) as fc:
             w0, w1 = fc.workers["worker-0"], fc.workers["worker-1"]
             w1.stats.kv_blocks_used = 50
             await fc.pool.refresh()
