@@ -600,9 +600,7 @@ class TransitionRunner:
             task.add_done_callback(lambda t, wid=wid: self._connected(wid, t))
         try:
             await asyncio.shield(task)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
+        except Exception as exc:  # (a cancelled RPC raises CancelledError, a BaseException: it passes through)
             raise TransitionRefused("UNAVAILABLE", f"cannot reach worker {wid} at {addr}: {exc}") from None
 
     def _connected(self, wid: str, task: asyncio.Task) -> None:
