@@ -78,10 +78,13 @@ class SLOTokenBudget:
         fresh = max(self._largest(shape, 0, room), min(self.min_chunk_tokens, room))
         return num_decodes + fresh
 
-    def chunk_limit(self, shape: BatchShape, prefix: int, want: int) -> int:
-        """Tokens (<= want) of a prompt chunk with `prefix` cached tokens that may join `shape`."""
+    def chunk_limit(self, shape: BatchShape, prefix: int, want: int, *, first: bool | None = None) -> int:
+        """Tokens (<= want) of a prompt chunk with `prefix` cached tokens that may join `shape`. The iteration's
+        first prompt chunk gets at least the progress floor (min_chunk_tokens), later ones only what fits.
+        `first` says which it is; when the caller does not say, a shape of one-token chunks only is taken for
+        decodes (a one-token *prompt* chunk looks the same, which is why the scheduler says)."""
         want = min(want, max(0, self.max_tokens - shape.tokens))
         n = self._largest(shape, prefix, want)
-        if shape.num_chunks == shape.tokens:  # only one-token chunks (decodes) so far: the first prompt chunk
+        if first if first is not None else shape.num_chunks == shape.tokens:
             n = max(n, min(self.min_chunk_tokens, want))
         return n

@@ -38,9 +38,10 @@ class TokenBudget(Protocol):
     A latency-model budget answers the largest token count whose predicted iteration time stays
     under the TBT SLO; the fixed budget ignores both.
 
-    Optional hook, used when present: `chunk_limit(shape, prefix, want) -> int`, the most of `want`
-    tokens of a prompt chunk whose first `prefix` tokens are cached that may join a batch already
-    holding `shape` (a `costmodel.BatchShape` of the chunks scheduled so far)."""
+    Optional hook, used when present: `chunk_limit(shape, prefix, want, first=...) -> int`, the most of
+    `want` tokens of a prompt chunk whose first `prefix` tokens are cached that may join a batch already
+    holding `shape` (a `costmodel.BatchShape` of the chunks scheduled so far); `first`: whether it is the
+    iteration's first prompt chunk (the one that gets a progress floor)."""
 
     def max_tokens_for(self, num_decodes: int, *, decode_context_tokens: int = 0) -> int: ...
 
@@ -279,6 +280,7 @@ class Scheduler:
                 used += 1
         # 2. prompt chunks in arrival order: partially prefilled running sequences first, then waiting ones
         #    (not after a preemption in this step: memory is short, re-admitting would only thrash).
+        num_decodes_in_batch = len(out)
         partial = [s for s in self.running if id(s) not in in_batch and s.remaining > 1]
         for seq in partial + list(self.waiting):
             if used >= budget or len(out) >= cfg.max_num_seqs:
@@ -300,7 +302,7 @@ class Scheduler:
             if cfg.max_prefill_chunk:
                 n = min(n, cfg.max_prefill_chunk)
             if chunk_limit is not None and n > 0:
-                n = min(n, chunk_limit(shape, seq.num_computed, n))
+                n = min(n, chunk_limit(shape, seq.num_computed, n, first=len(out) == num_decodes_in_batch))
             if not admitting:
                 # a running sequence may take blocks from newer running ones that are not in this batch
                 while self._room(seq) < n and self._preempt_newest(seq, in_batch):

@@ -112,6 +112,17 @@ def test_scheduler_under_the_slo_budget(prompts, bs, slack, tbt_ms, k, max_seqs,
     assert alloc.num_used == 0
 
 
+def test_a_one_token_prompt_is_the_first_prompt_chunk_too():
+    """Regression (found by the property above): a one-token prompt chunk looks like a decode in a BatchShape,
+    so a second prompt chunk used to get the progress floor as well and push the step over the SLO."""
+    tight = SLOTokenBudget(CON, tbt_s=0.001, min_chunk_tokens=8)  # nothing fits but the floor
+    sch = Scheduler(BlockAllocator(64), 4, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=64), tight)
+    sch.add(_seq("one", 1, 4, 4, 0.0))
+    sch.add(_seq("long", 50, 4, 4, 1.0))
+    chunks = sch.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in chunks] == [("one", 1)]
+
+
 # -- inside the engine: tokens identical to the reference ------------------------------------------------
 SMALL = TINY_CONFIG.replace(num_layers=2, name="small")
 
