@@ -92,10 +92,12 @@ class Supervisor:
     def _run(self) -> None:
         while not self._stop.wait(0.2):
             for child in list(self.cluster.children):
+                # One child's trouble (a kill that timed out, a spawn that failed) is reported; the others
+                # are still supervised, and the same child is tried again on the next round.
                 try:
                     self._check(child, time.monotonic())
-                except Exception as exc:  # one child's trouble (a kill that timed out, a failed spawn) is reported,
-                    self.report(f"{child.name}: supervision step failed: {type(exc).__name__}: {exc}")  # the rest go on
+                except Exception as exc:
+                    self.report(f"{child.name}: supervision step failed: {type(exc).__name__}: {exc}")
 
     def _check(self, child: Child, now: float) -> None:
         st = self._states.setdefault(child.name, _State(started_at=now))
