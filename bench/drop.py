@@ -15,37 +15,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
 import statistics
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import bench_cluster, run_on, write_json  # first: it puts the repository on sys.path
 
 from kunserve import client  # noqa: E402
-from kunserve.cli.launcher import LocalCluster, assign_free_ports, with_workers  # noqa: E402
-from kunserve.shared.config import load_config  # noqa: E402
+from kunserve.cli.launcher import LocalCluster  # noqa: E402
+from kunserve.shared.config import ClusterConfig  # noqa: E402
 from kunserve.v1 import memory_manager_pb2, memory_manager_pb2_grpc  # noqa: E402
 
 
 def make_cluster(args) -> LocalCluster:
-    cfg = load_config(None, environ={})
-    with_workers(cfg, args.workers)
-    assign_free_ports(cfg)
-    cfg.engine.pool_mib = args.pool_mib
-    cfg.engine.threads = 1
-    cfg.monitor.auto_drop = False  # this driver decides
-    cfg.monitor.stats_interval_s = 0.1
-    cfg.dispatcher.route_timeout_s = 120.0
-    cfg.logging.format = "json"
-    return LocalCluster(cfg, run_dir=tempfile.mkdtemp(prefix="kunserve-bench-drop-"))
+    def configure(cfg: ClusterConfig) -> None:
+        cfg.dispatcher.route_timeout_s = 120.0
+
+    return bench_cluster("drop", args.workers, args.pool_mib, configure=configure)  # this driver decides drops
 
 
 async def load(c: LocalCluster, args, seed: int, progress: dict) -> asyncio.Task:
@@ -142,13 +132,7 @@ def main() -> None:
     args.repeats = args.repeats or (2 if q else 5)
     if args.workers < 2:
         ap.error("--workers: a drop needs at least 2 workers")
-    c = make_cluster(args)
-    print(f"starting a {args.workers}-worker cluster (logs in {c.run_dir}) ...", flush=True)
-    c.start(timeout_s=180)
-    try:
-        rows = asyncio.run(main_async(args, c))
-    finally:
-        c.stop()
+    rows = run_on(make_cluster(args), lambda c: main_async(args, c))
     meta = {k: getattr(args, k) for k in ("workers", "requests", "prompt", "max_tokens", "pool_mib", "repeats",
                                           "serve_s", "quick")}
     meta.update(host=platform.node(), cpus=os.cpu_count())
@@ -158,10 +142,7 @@ def main() -> None:
     for r in failed:
         print(f"not completed: {r['op']} run {r['repeat']}: {r['error']}")
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"meta": meta, "summary": summary, "runs": rows}, indent=2, allow_nan=False))
-        print(f"wrote {out}")
+        write_json(args.out, {"meta": meta, "summary": summary, "runs": rows})
 
 
 if __name__ == "__main__":

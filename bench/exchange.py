@@ -36,11 +36,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from harness import write_json
 from kunserve.shared.transfer import ACTIVATION, CONTROL, KV_EXCHANGE, TransferConfig, TransferService
 from kunserve.shared.transfer.peer import READY
 
@@ -240,10 +240,7 @@ def main() -> None:
     res["meta"] = meta
     print_table(res["summary"], meta)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=2, allow_nan=False))
-        print(f"wrote {out}")
+        write_json(args.out, res)
 
 
 if __name__ == "__main__":

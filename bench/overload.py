@@ -16,39 +16,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import signal
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import bench_cluster, run_on, write_json  # first: it puts the repository on sys.path
 
 from kunserve import client  # noqa: E402
-from kunserve.cli.launcher import LocalCluster, assign_free_ports, with_workers  # noqa: E402
+from kunserve.cli.launcher import LocalCluster  # noqa: E402
 from kunserve.cli.replay import prompt_ids, replay  # noqa: E402
 from kunserve.shared.benchstats import percentiles  # noqa: E402
-from kunserve.shared.config import load_config  # noqa: E402
 from kunserve.shared.trace import TraceRequest, gamma_arrivals  # noqa: E402
 
 REFUSED = "RESOURCE_EXHAUSTED"
 MIB = 1024 * 1024
-
-
-def make_cluster(args) -> LocalCluster:
-    cfg = load_config(None, environ={})
-    with_workers(cfg, args.workers)
-    assign_free_ports(cfg)
-    cfg.engine.pool_mib = args.pool_mib
-    cfg.engine.threads = 1
-    cfg.monitor.auto_drop = args.auto_drop
-    cfg.monitor.stats_interval_s = 0.1
-    cfg.logging.format = "json"
-    return LocalCluster(cfg, run_dir=tempfile.mkdtemp(prefix="kunserve-bench-overload-"))
 
 
 def memory(pid: int) -> tuple[int, int]:
@@ -225,22 +208,14 @@ def main() -> None:
         ap.error(f"--multipliers: expected numbers separated by commas, got {args.multipliers!r}")
     if args.workers < 2:
         ap.error("--workers: the frozen-worker measurement needs at least 2 workers")
-    c = make_cluster(args)
-    print(f"starting a {args.workers}-worker cluster (logs in {c.run_dir}) ...", flush=True)
-    c.start(timeout_s=180)
-    try:
-        report = asyncio.run(main_async(args, c))
-    finally:
-        c.stop()
+    report = run_on(bench_cluster("overload", args.workers, args.pool_mib, auto_drop=args.auto_drop),
+                    lambda c: main_async(args, c))
     report["meta"] = {k: getattr(args, k) for k in ("workers", "duration", "prompt", "output", "pool_mib",
                                                     "auto_drop", "seed", "quick", "multipliers")}
     report["meta"].update(host=platform.node(), cpus=os.cpu_count(), loadavg=os.getloadavg())
     print_table(report)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2, allow_nan=False))
-        print(f"wrote {out}")
+        write_json(args.out, report)
 
 
 if __name__ == "__main__":
