@@ -6,6 +6,8 @@ import asyncio
 import functools
 import sys
 
+import grpc
+
 from kunserve import client
 from kunserve.cli.launcher import assign_free_ports, with_workers
 from kunserve.shared.config import load_config
@@ -44,6 +46,21 @@ def internal_channel(cluster, address: str):
 def admin_channel(cluster):
     """A channel to the admin port with the admin token, as kunctl opens it."""
     return client.admin_channel(cluster.cfg.memory_manager.address, client.credentials_from(cluster.cfg, environ={}))
+
+
+async def rpc_outcome(call) -> tuple[grpc.StatusCode, str]:
+    """Run one call (made by `call()`, unary or streaming) to its end: its status code and details, OK when it
+    succeeded (tests of refusals assert on the code, not on an exception)."""
+    try:
+        result = call()
+        if hasattr(result, "__aiter__"):
+            async for _ in result:
+                pass
+        else:
+            await result
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details()
+    return grpc.StatusCode.OK, ""
 
 
 def run(coro, timeout: float = 120.0):

@@ -20,7 +20,8 @@ import time
 import grpc
 import pytest
 
-from helpers import admin_channel, generate_many, internal_channel, kunctl_argv, make_config, run
+from helpers import (admin_channel, generate_many, internal_channel, kunctl_argv, make_config, rpc_outcome,
+                     run)
 from kunserve import client
 from kunserve.cli.launcher import LocalCluster
 from kunserve.shared import rpc
@@ -40,14 +41,6 @@ SERVICES = {  # service descriptor -> which address serves it
 PROMPT = [11, 12, 13, 14]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = LocalCluster(make_config(2), run_dir=tmp_path_factory.mktemp("secure"))
-    c.start(timeout_s=120)
-    yield c
-    c.stop()
-
-
 def _address(c: LocalCluster, which: str) -> str:
     return c.cfg.workers[0].address if which == "worker" else getattr(c.cfg, which).address
 
@@ -58,16 +51,7 @@ async def _raw_call(ch: grpc.aio.Channel, service, method, payload: bytes) -> tu
     shape = ("stream" if method.client_streaming else "unary") + "_" + ("stream" if method.server_streaming else "unary")
     callable_ = getattr(ch, shape)(path)
     request = iter([payload]) if method.client_streaming else payload
-    try:
-        call = callable_(request, timeout=10)
-        if method.server_streaming:
-            async for _ in call:
-                pass
-        else:
-            await call
-    except grpc.aio.AioRpcError as exc:
-        return exc.code(), exc.details()
-    return grpc.StatusCode.OK, ""
+    return await rpc_outcome(lambda: callable_(request, timeout=10))
 
 
 async def _state(c: LocalCluster) -> dict[str, tuple[int, bool, bool, list[str]]]:

@@ -7,11 +7,13 @@ reach it. Calls go out as raw bytes on generic stubs, the way an outsider would 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from helpers import rpc_outcome
 from kunserve.shared import rpc
 from kunserve.v1 import common_pb2, monitor_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -44,7 +46,9 @@ class Recorder(worker_pb2_grpc.WorkerServicer, monitor_pb2_grpc.MonitorServicer)
         return common_pb2.Empty()
 
 
-async def serve(rules):
+@contextlib.asynccontextmanager
+async def serving(rules):
+    """The recorder behind the interceptor on a free port: (recorder, address), stopped on the way out."""
     rec = Recorder()
     server = grpc.aio.server(interceptors=[rpc.ServerInterceptor(rules)])
     worker_pb2_grpc.add_WorkerServicer_to_server(rec, server)
@@ -53,7 +57,10 @@ async def serve(rules):
     health_pb2_grpc.add_HealthServicer_to_server(h, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    return server, rec, f"127.0.0.1:{port}"
+    try:
+        yield rec, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
 
 
 RULES = [rpc.AuthRule("/kunserve.v1.Monitor/", (rpc.Credential("cluster secret", SECRET),
@@ -65,48 +72,31 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
-async def code_of(call) -> tuple[grpc.StatusCode, str]:
-    try:
-        result = call()
-        if hasattr(result, "__aiter__"):
-            async for _ in result:
-                pass
-        else:
-            await result
-    except grpc.aio.AioRpcError as exc:
-        return exc.code(), exc.details()
-    return grpc.StatusCode.OK, ""
-
-
 def test_missing_or_wrong_credentials_are_refused_before_the_servicer_runs():
     async def main():
-        server, rec, addr = await serve(RULES)
-        try:
+        async with serving(RULES) as (rec, addr):
             for token, word in ((None, "missing"), ("not-the-secret-at-all-000", "wrong"), (ADMIN, "wrong")):
                 async with rpc.channel(addr, token=token) as ch:
                     stub = worker_pb2_grpc.WorkerStub(ch)
                     for call in (lambda: stub.GetInfo(common_pb2.Empty(), timeout=5),
                                  lambda: stub.Generate(worker_pb2.WorkerGenerateRequest(request_id="r"), timeout=5),
                                  lambda: stub.PrepareTransition(worker_pb2.TransitionSpec(epoch=2**64 - 1), timeout=5)):
-                        code, details = await code_of(call)
+                        code, details = await rpc_outcome(call)
                         assert code == grpc.StatusCode.UNAUTHENTICATED, (token, code, details)
                         assert word in details and "cluster secret" in details and "/kunserve.v1.Worker/" in details
                     # client streaming: refused without reading the stream
                     mon = monitor_pb2_grpc.MonitorStub(ch)
-                    code, _ = await code_of(lambda: mon.ReportStats(iter([common_pb2.WorkerStats(worker_id="x")]),
-                                                                    timeout=5))
+                    code, _ = await rpc_outcome(lambda: mon.ReportStats(
+                        iter([common_pb2.WorkerStats(worker_id="x")]), timeout=5))
                     assert code == (grpc.StatusCode.OK if token == ADMIN else grpc.StatusCode.UNAUTHENTICATED)
             assert rec.calls == ["ReportStats:x"]  # only the admin token's call on the Monitor rule ran
-        finally:
-            await server.stop(None)
 
     run(main())
 
 
 def test_the_right_credential_passes_every_call_shape():
     async def main():
-        server, rec, addr = await serve(RULES)
-        try:
+        async with serving(RULES) as (rec, addr):
             async with rpc.channel(addr, token=SECRET) as ch:
                 stub = worker_pb2_grpc.WorkerStub(ch)
                 assert (await stub.GetInfo(common_pb2.Empty(), timeout=5)).worker_id == "w0"
@@ -117,57 +107,49 @@ def test_the_right_credential_passes_every_call_shape():
                 await monitor_pb2_grpc.MonitorStub(ch).ReportStats(
                     iter([common_pb2.WorkerStats(worker_id="a"), common_pb2.WorkerStats(worker_id="b")]), timeout=5)
             assert rec.calls == ["GetInfo", "Generate", "Cancel", "ReportStats:a", "ReportStats:b"]
-        finally:
-            await server.stop(None)
 
     run(main())
 
 
 def test_process_default_token_is_used_when_none_is_passed():
     async def main():
-        server, rec, addr = await serve(RULES)
-        try:
+        async with serving(RULES) as (_, addr):
             rpc.configure_client(SECRET)
-            async with rpc.channel(addr) as ch:
-                assert (await worker_pb2_grpc.WorkerStub(ch).GetInfo(common_pb2.Empty(), timeout=5)).worker_id == "w0"
-        finally:
-            rpc.configure_client(None)
-            await server.stop(None)
+            try:
+                async with rpc.channel(addr) as ch:
+                    assert (await worker_pb2_grpc.WorkerStub(ch).GetInfo(common_pb2.Empty(),
+                                                                        timeout=5)).worker_id == "w0"
+            finally:
+                rpc.configure_client(None)
 
     run(main())
 
 
 def test_health_stays_open():
     async def main():
-        server, _, addr = await serve(RULES)
-        try:
+        async with serving(RULES) as (_, addr):
             async with rpc.channel(addr) as ch:
                 resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
             assert await rpc.health_check(addr)
-        finally:
-            await server.stop(None)
 
     run(main())
 
 
 def test_malformed_requests_get_invalid_argument_naming_the_method():
     async def main():
-        server, rec, addr = await serve(RULES)
         junk = b"\xff\xff\xff\xff"
-        try:
+        async with serving(RULES) as (rec, addr):
             async with rpc.channel(addr, token=SECRET) as ch:
                 for path, shape in (("/kunserve.v1.Worker/GetInfo", "unary_unary"),
                                     ("/kunserve.v1.Worker/Generate", "unary_stream"),
                                     ("/kunserve.v1.Monitor/ReportStats", "stream_unary")):
                     method = getattr(ch, shape)(path)
                     request = iter([junk]) if shape.startswith("stream") else junk
-                    code, details = await code_of(lambda: method(request, timeout=5))
+                    code, details = await rpc_outcome(lambda: method(request, timeout=5))
                     assert code == grpc.StatusCode.INVALID_ARGUMENT, (path, code, details)
                     assert path in details and "protobuf" in details
             assert rec.calls == []
-        finally:
-            await server.stop(None)
 
     run(main())
 
