@@ -163,7 +163,6 @@ def channel(address: str, token: str | None = None, tls: TLS | None = None) -> g
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
-
 class _Malformed:
     """What the request deserializer returns for bytes that do not parse: the method answers
     INVALID_ARGUMENT instead of the UNKNOWN a raising deserializer would give."""

@@ -306,10 +306,9 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
 
     def _bounds(self) -> tuple[int, int]:
         """(max in flight, max queued prompt tokens) now: they scale with the live workers (see capacity)."""
-        routable, kv_tokens = self.pool.capacity()
-        units = max(1, routable)
+        live, kv_tokens = self.pool.capacity()
         tokens = self.limits.max_queued_prompt_tokens or max(kv_tokens, self.limits.max_prompt_tokens)
-        return self.limits.max_inflight_per_worker * units, tokens
+        return self.limits.max_inflight_per_worker * max(1, live), tokens
 
     async def _refuse(self, context, refusal: Refusal) -> None:
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message,
