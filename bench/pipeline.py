@@ -4,7 +4,7 @@ and the cost models' error per phase.
 The paper reports, for pipelined execution after a parameter drop, 21.9% bubble time with
 token-count microbatches and 8.3% with lookahead, and +20% throughput. Here:
 
-1. profile  — time stage 0's layer range over the profiler grid (shared/profiler.py), fit KunServe's
+1. profile  — time stage 0's layer range over the profiler grid (shared/engine/profiler.py), fit KunServe's
               Eq. 1-3 and ConServe's latency model, report the held-out relative error per phase;
 2. pipeline — a long queue (all requests queued at t=0: a burst), prompts long-tailed between
               --min-prompt and --max-prompt tokens, a few output tokens each, through the in-process
@@ -46,12 +46,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kunserve.shared.costmodel import relative_errors
+from kunserve.shared.policy.costmodel import relative_errors
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.pipeline import PipelineConfig, PipelineExecutor, balanced_layer_ranges
 from kunserve.shared.model.config import TINY_CONFIG, ModelConfig
 from kunserve.shared.model.weights import random_weights
-from kunserve.shared.profiler import BatchTimer, fit_profile, grid_blocks, measure_grid, profile_grid
+from kunserve.shared.engine.profiler import BatchTimer, fit_profile, grid_blocks, measure_grid, profile_grid
 
 LARGER_CONFIG = ModelConfig(vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2,
                             intermediate_size=1408, head_dim=64, max_position_embeddings=4096,

@@ -15,7 +15,7 @@ import grpc
 
 from kunserve.shared import credentials
 from kunserve.shared.config import ClusterConfig
-from kunserve.shared.convert import FINISH_NAMES
+from kunserve.shared.wire.requests import FINISH_NAMES
 from kunserve.shared.rpc import TLS, channel
 from kunserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 

@@ -11,11 +11,11 @@ import sys
 
 import structlog
 
-from kunserve.cli.launcher import die_with_parent_if_asked
 from kunserve.shared import rpc
 from kunserve.shared.config import ClusterConfig, ConfigError, ServiceSection, load_config
 from kunserve.shared.credentials import CredentialError, ServiceCredentials, service_credentials
 from kunserve.shared.log import configure_logging
+from kunserve.shared.process import die_with_parent_if_asked
 
 
 def service_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:

@@ -23,11 +23,11 @@ from typing import Sequence
 
 from kunserve import client
 from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_ports, with_workers
-from kunserve.cli.replay import ClusterUnreachable, ReplayOutcome, drop_periods, replay
-from kunserve.shared.benchstats import RequestResult, best_p50, summarize
+from kunserve.benchkit.replay import ClusterUnreachable, ReplayOutcome, drop_periods, replay
+from kunserve.benchkit.stats import RequestResult, best_p50, summarize
 from kunserve.shared.config import OVERLOAD_POLICIES, ClusterConfig, ConfigError, load_config
 from kunserve.shared.rpc import health_check
-from kunserve.shared.trace import (LENGTH_PROFILES, Burst, TraceError, TraceRequest, describe, generate_trace,
+from kunserve.benchkit.trace import (LENGTH_PROFILES, Burst, TraceError, TraceRequest, describe, generate_trace,
                                    load_burstgpt_csv, save_trace_csv, scale_lengths, upscale)
 
 RESULT_VERSION = 1
@@ -208,7 +208,7 @@ def _out_dir(args: argparse.Namespace, kind: str) -> Path:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from kunserve.cli.benchplot import plot_run
+    from kunserve.benchkit.plots import plot_run
 
     console = _console()
     trace, source = build_trace(args)
@@ -320,7 +320,7 @@ def compare_record(docs: dict[str, dict], policies: Sequence[str]) -> dict:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from kunserve.cli.benchplot import plot_compare, plot_run
+    from kunserve.benchkit.plots import plot_compare, plot_run
 
     console = _console()
     policies = parse_policies(args.policies)

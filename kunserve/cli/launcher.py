@@ -8,7 +8,6 @@ so no test or Ctrl-C leaves a stray process behind.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import os
 import pathlib
@@ -25,26 +24,8 @@ from typing import Callable
 from kunserve.shared import credentials
 from kunserve.cli.supervisor import RestartPolicy, Supervisor
 from kunserve.shared.config import ClusterConfig, WorkerSection
+from kunserve.shared.process import PARENT_PID_ENV
 from kunserve.shared.rpc import health_check
-
-PR_SET_PDEATHSIG = 1
-PARENT_PID_ENV = "KUNSERVE_PARENT_PID"  # children ask the kernel for SIGTERM when this process dies
-
-
-def die_with_parent_if_asked() -> None:
-    """Called first thing in every service process. Done in the child rather than in a Popen
-    preexec_fn because forking a process with live gRPC threads (the tests have some) can crash the
-    child; without preexec_fn, subprocess uses vfork/posix_spawn."""
-    parent = os.environ.get(PARENT_PID_ENV)
-    if not parent:
-        return
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        return
-    if os.getppid() != int(parent):  # the launcher died before the prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
-
 
 _handed_out: set[int] = set()
 

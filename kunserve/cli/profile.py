@@ -40,11 +40,11 @@ def cmd_profile(args: argparse.Namespace) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from kunserve.services.worker.build import WorkerBuildError, pick_device, thread_share
     from kunserve.shared.config import ConfigError, load_config
-    from kunserve.shared.model.loader import load_model_source
-    from kunserve.shared.profiler import BatchTimer, fit_profile, grid_blocks, measure_grid, profile_grid
-    from kunserve.shared.profiles import device_signature, write_profile
+    from kunserve.shared.process import DeviceError, pick_device, thread_share
+    from kunserve.shared.model.weights import load_model_source
+    from kunserve.shared.engine.profiler import BatchTimer, fit_profile, grid_blocks, measure_grid, profile_grid
+    from kunserve.shared.profile_files import device_signature, write_profile
 
     console = Console(highlight=False)
     try:
@@ -56,7 +56,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
     try:
         device = pick_device(args.device or cfg.model.device)
         source = load_model_source(path, seed=cfg.model.seed, dtype=dtype)
-    except WorkerBuildError as exc:
+    except DeviceError as exc:
         _fail(str(exc))
     except (OSError, ValueError) as exc:
         _fail(f"cannot load model {path or '<embedded>'}: {exc}")

@@ -13,7 +13,7 @@ request survives what happens to the worker serving it:
   ``dispatcher.stall_timeout_s``): it leaves routing, its calls are cancelled (which frees their KV when it
   wakes up) and its requests resume elsewhere the same way.
 
-It also guards the cluster (see kunserve.shared.admission): prompts are measured before they are tokenized
+It also guards the cluster (see kunserve.shared.policy.admission): prompts are measured before they are tokenized
 or forwarded, requests beyond the in-flight and queued-prompt-token bounds get RESOURCE_EXHAUSTED with a
 retry hint, an accepted request that gets no first token within ``dispatcher.queue_timeout_s`` gets the same
 status instead of hanging, and a request can be cancelled only by the client that sent it.
@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from kunserve.services.dispatcher.limits import DispatcherLimits
-from kunserve.shared.admission import Admission, Refusal
+from kunserve.shared.policy.admission import Admission, Refusal
 from kunserve.shared.config import ClusterConfig
-from kunserve.shared.convert import sampling_from_pb
-from kunserve.shared.liveness import Liveness
+from kunserve.shared.wire.requests import sampling_from_pb
+from kunserve.shared.policy.liveness import Liveness
 from kunserve.shared.log import get_logger
-from kunserve.shared.router import FreenessRouter, InstanceLoad, serving_from_stats
+from kunserve.shared.policy.router import FreenessRouter, InstanceLoad, serving_from_stats
 from kunserve.shared.rpc import WORKER_END, channel
 from kunserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 

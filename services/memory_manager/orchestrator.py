@@ -2,7 +2,7 @@
 
     drop:    refresh the layout from the workers -> plan (Fig. 6 greedy, or an explicit grouping)
              -> Prepare every member (pause, report requests + capacity in the new range)
-             -> assign every request its new block table (shared/transition.py; refuse when it does not fit)
+             -> assign every request its new block table (shared/policy/transition_plan.py; refuse when it does not fit)
              -> Execute on every member (KV exchange over UCX, remap, install) -> refresh -> new epoch
     restore: the same with a group split back into whole instances (requests spread over them).
 
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from kunserve.shared import planner
+from kunserve.shared.policy import planner
 from kunserve.shared.epochs import MAX_EPOCH
 from kunserve.shared.faults import fault_armed, fault_point
 from kunserve.shared.log import get_logger
-from kunserve.shared.transition import Member, SeqMove, TransitionError, UnitDef, assign_restore_targets, assign_tables
+from kunserve.shared.policy.transition_plan import Member, SeqMove, TransitionError, UnitDef, assign_restore_targets, assign_tables
 from kunserve.v1 import common_pb2, memory_manager_pb2, worker_pb2
 
 

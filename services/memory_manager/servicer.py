@@ -13,7 +13,7 @@ import grpc
 
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.epochs import MAX_EPOCH
-from kunserve.shared.layout import LayoutState
+from kunserve.shared.policy.cluster_layout import LayoutState
 from kunserve.shared.log import get_logger
 from kunserve.shared.rpc import channel
 

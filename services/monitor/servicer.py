@@ -12,11 +12,11 @@ from typing import Protocol
 
 import grpc
 
-from kunserve.shared.load import ClusterLoad
+from kunserve.shared.policy.cluster_load import ClusterLoad
 from kunserve.shared.log import get_logger
-from kunserve.shared.overload import DROP, NONE, RESTORE, Decision, OverloadConfig, OverloadPolicy
+from kunserve.shared.policy.overload import DROP, NONE, RESTORE, Decision, OverloadConfig, OverloadPolicy
 from kunserve.shared.rpc import channel
-from kunserve.shared.units import build_units
+from kunserve.shared.policy.units import build_units
 from kunserve.v1 import common_pb2, memory_manager_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc
 
 

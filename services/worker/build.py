@@ -4,7 +4,6 @@ token budget (SLO-aware from a matching cost-model profile, else the fixed one).
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -12,35 +11,19 @@ from kunserve.services.worker.servicer import WorkerIdentity
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
-from kunserve.shared.engine.budget import SLOTokenBudget
-from kunserve.shared.engine.scheduler import FixedTokenBudget, SchedulerConfig, TokenBudget
+from kunserve.shared.policy.token_budget import SLOTokenBudget
+from kunserve.shared.policy.batch_scheduler import FixedTokenBudget, SchedulerConfig, TokenBudget
 from kunserve.shared.log import get_logger
+from kunserve.shared.process import DeviceError, pick_device, thread_share
 from kunserve.shared.memory.errors import MemoryPoolError
-from kunserve.shared.model.loader import load_model_source
-from kunserve.shared.profiles import ProfileError, device_signature, find_profile
+from kunserve.shared.model.weights import load_model_source
+from kunserve.shared.profile_files import ProfileError, device_signature, find_profile
 
 MIB = 1024 * 1024
 
 
 class WorkerBuildError(RuntimeError):
     """The worker cannot start with this config/model; the message says what to change."""
-
-
-def pick_device(setting: str) -> str:
-    if setting == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if setting == "cuda" and not torch.cuda.is_available():
-        raise WorkerBuildError("model.device = 'cuda' but no CUDA device is available")
-    return setting
-
-
-def thread_share(cfg: ClusterConfig) -> int:
-    """Torch threads for this worker: the configured number, else an even share of the cores.
-
-    Oversubscribed OpenMP threads make CPU inference several times slower (MEASURED.md)."""
-    if cfg.engine.threads > 0:
-        return cfg.engine.threads
-    return max(1, (os.cpu_count() or 1) // max(1, len(cfg.workers)))
 
 
 def memory_backend(setting: str, device: str) -> str:
@@ -80,7 +63,10 @@ def make_token_budget(cfg: ClusterConfig, *, model: str, dtype: str, layers: tup
 
 def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, PooledInstance, WorkerIdentity]:
     wsec = cfg.worker(worker_id)
-    device = pick_device(cfg.model.device)
+    try:
+        device = pick_device(cfg.model.device)
+    except DeviceError as exc:
+        raise WorkerBuildError(str(exc)) from exc
     try:
         source = load_model_source(cfg.model.path or None, seed=cfg.model.seed, dtype=cfg.model.dtype)
     except (OSError, ValueError) as exc:

@@ -24,7 +24,7 @@ from kunserve.shared.engine.stage_wire import StageBatch
 from kunserve.shared.log import get_logger
 from kunserve.shared.transfer.framing import ACTIVATION
 from kunserve.shared.transfer.service import Received, TransferError, TransferService
-from kunserve.shared.transition import UnitDef
+from kunserve.shared.policy.transition_plan import UnitDef
 
 MB = "mb"
 OUT = "out"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kunserve.shared.convert import busy_idle_fields, finish_to_pb, sampling_from_pb, stats_to_pb
+from kunserve.shared.wire.requests import busy_idle_fields, finish_to_pb, sampling_from_pb, stats_to_pb
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest, TokenEvent
 from kunserve.shared.engine.loop import EngineStopped
 from kunserve.shared.engine.pooled import LayerChange, PooledInstance
@@ -23,7 +23,7 @@ from kunserve.shared.memory.errors import MemoryPoolError
 from kunserve.shared.streams import Shutdown, StreamRegistry
 from kunserve.shared.transfer.service import TransferError
 
-from .transition import Moved, TransitionRefused, TransitionRunner
+from .relayout import Moved, TransitionRefused, TransitionRunner
 from kunserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 

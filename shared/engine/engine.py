@@ -23,11 +23,12 @@ import torch
 
 from kunserve.shared.engine.accounting import BusyIdle, BusyIdleClock
 from kunserve.shared.engine.api import EngineRequest, EngineStats, FinishReason, InvalidRequest, TokenEvent
-from kunserve.shared.engine.kv_cache import BlockAllocator, BlockTable, KVStorage, TorchKVStorage, blocks_needed
+from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable, blocks_needed
+from kunserve.shared.engine.kv_storage import KVStorage, TorchKVStorage
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.sampler import sample_rows
 from kunserve.shared.engine.stage_wire import StageBatch
-from kunserve.shared.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence, TokenBudget
+from kunserve.shared.policy.batch_scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence, TokenBudget
 from kunserve.shared.model.config import ModelConfig
 from kunserve.shared.model.weights import Weights
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kunserve.shared.engine.attention import Attention, AttentionMetadata, make_attention
-from kunserve.shared.engine.kv_cache import KVStorage
+from kunserve.shared.engine.kv_storage import KVStorage
 from kunserve.shared.model.config import ModelConfig
 from kunserve.shared.model.weights import Weights
 

@@ -41,8 +41,9 @@ import torch
 
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest
 from kunserve.shared.engine.attention import build_metadata
-from kunserve.shared.engine.kv_cache import BlockAllocator, BlockTable, TorchKVStorage, blocks_needed
-from kunserve.shared.engine.microbatch import MicroChunk, MicrobatchFormer, WorkItem, token_microbatches
+from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable, blocks_needed
+from kunserve.shared.engine.kv_storage import TorchKVStorage
+from kunserve.shared.policy.microbatch import MicroChunk, MicrobatchFormer, WorkItem, token_microbatches
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.sampler import sample
 from kunserve.shared.model.config import ModelConfig

@@ -18,11 +18,11 @@ import torch
 
 from kunserve.shared.engine.engine import Engine
 from kunserve.shared.engine.model_runner import ModelRunner
-from kunserve.shared.engine.scheduler import SchedulerConfig
+from kunserve.shared.policy.batch_scheduler import SchedulerConfig
 from kunserve.shared.memory import create_pool
 from kunserve.shared.memory.errors import KVCapacityError, MemoryPoolError
-from kunserve.shared.memory.layout import RemapResult
-from kunserve.shared.memory.model_layout import build_model_layout, fused_source
+from kunserve.shared.memory.layer_memory import RemapResult
+from kunserve.shared.model.pool_placement import build_model_layout, fused_source
 from kunserve.shared.model.weights import ModelSource
 
 WEIGHT_SOURCES = ("host", "checkpoint")

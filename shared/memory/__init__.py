@@ -25,7 +25,7 @@ from .errors import (
     ViewStillAliveError,
     WeightSourceError,
 )
-from .layout import (
+from .layer_memory import (
     CapacityPlan,
     KVCacheSpec,
     LayerMemoryLayout,

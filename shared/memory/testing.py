@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from .layout import KVCacheSpec, LayerMemoryLayout, TensorSpec, WeightGroupSpec
+from .layer_memory import KVCacheSpec, LayerMemoryLayout, TensorSpec, WeightGroupSpec
 from .pool import PagePool, create_pool
 
 

@@ -8,7 +8,7 @@ Public API: ``TransferService`` (service.py), the kinds ``ACTIVATION``, ``KV_EXC
 
 from .endpoint import Endpoint, EndpointClosed, MemoryEndpoint, MemoryTransport, Transport
 from .framing import ACTIVATION, CHECKPOINT, CONTROL, KINDS, KV_EXCHANGE, WEIGHTS, FramingError, kind_name
-from .scheduler import PRIORITY, Chunk, ChunkSizer, OutgoingMessage, PriorityScheduler
+from .chunk_scheduler import PRIORITY, Chunk, ChunkSizer, OutgoingMessage, PriorityScheduler
 from .service import Received, SendHandle, TraceEvent, TransferConfig, TransferError, TransferService
 
 __all__ = [

@@ -52,7 +52,7 @@ from .endpoint import Endpoint, Transport
 from .framing import (CONTROL, FRAME_MAX, INLINE_MAX, KINDS, TAG_HEADER, TAG_PAYLOAD, FramingError, Kind, byte_view,
                       decode_frame, encode_frame, kind_name, tensor_meta, torch_dtype, validate_chunk,
                       validate_first_chunk)
-from .scheduler import KiB, MiB, ChunkSizer, OutgoingMessage, PriorityScheduler
+from .chunk_scheduler import KiB, MiB, ChunkSizer, OutgoingMessage, PriorityScheduler
 
 HELLO = "__hello__"
 AUTH = "__auth__"

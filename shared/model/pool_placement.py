@@ -1,0 +1,83 @@
+"""Places a Llama/Qwen2 model's layer range in the unified memory pool.
+
+Weights are stored *fused* (q|k|v and gate|up concatenated), exactly as the model runner consumes
+them, so the runner computes on views of pool pages and no weight byte lives outside the pool: the
+pages a drop frees are the pages the weights really occupied. `fused_source` turns any HF-named
+weight source (a checkpoint, random weights, a peer) into a source of the fused names.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from kunserve.shared.memory.layer_memory import KVCacheSpec, LayerMemoryLayout, TensorSpec, WeightGroupSpec, WeightSource
+from kunserve.shared.memory.pool import PagePool
+from kunserve.shared.model.config import ModelConfig
+
+QKV = "self_attn.qkv_proj"
+GATE_UP = "mlp.gate_up_proj"
+
+
+def layer_prefix(layer: int) -> str:
+    return f"model.layers.{layer}."
+
+
+def fused_layer_specs(cfg: ModelConfig) -> Callable[[int], list[TensorSpec]]:
+    dt, h, hd, inter = cfg.torch_dtype, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+
+    def specs(layer: int) -> list[TensorSpec]:
+        p = layer_prefix(layer)
+        out = [
+            TensorSpec(p + "input_layernorm.weight", (h,), dt),
+            TensorSpec(p + QKV + ".weight", (qkv_rows, h), dt),
+            TensorSpec(p + "self_attn.o_proj.weight", (h, cfg.num_heads * hd), dt),
+            TensorSpec(p + "post_attention_layernorm.weight", (h,), dt),
+            TensorSpec(p + GATE_UP + ".weight", (2 * inter, h), dt),
+            TensorSpec(p + "mlp.down_proj.weight", (h, inter), dt),
+        ]
+        if cfg.qkv_bias:
+            out.append(TensorSpec(p + QKV + ".bias", (qkv_rows,), dt))
+        return out
+
+    return specs
+
+
+def weight_groups(cfg: ModelConfig) -> list[WeightGroupSpec]:
+    dt, embed = cfg.torch_dtype, (cfg.vocab_size, cfg.hidden_size)
+    if cfg.tie_word_embeddings:  # the embedding matrix is also the lm_head: both ends need it
+        return [WeightGroupSpec("embed", (TensorSpec("model.embed_tokens.weight", embed, dt),), "ends"),
+                WeightGroupSpec("head", (TensorSpec("model.norm.weight", (cfg.hidden_size,), dt),), "last")]
+    return [WeightGroupSpec("embed", (TensorSpec("model.embed_tokens.weight", embed, dt),), "first"),
+            WeightGroupSpec("head", (TensorSpec("model.norm.weight", (cfg.hidden_size,), dt),
+                                     TensorSpec("lm_head.weight", embed, dt)), "last")]
+
+
+def fused_source(source: WeightSource) -> Callable[[str], torch.Tensor]:
+    """name -> tensor for the fused names, built from a source with Hugging Face names."""
+    get = source.__getitem__ if isinstance(source, Mapping) else source
+
+    def fused(name: str) -> torch.Tensor:
+        for part, pieces in ((QKV, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                             (GATE_UP, ("mlp.gate_proj", "mlp.up_proj"))):
+            if f".{part}." in name:
+                prefix, suffix = name.split(f"{part}.")
+                return torch.cat([get(f"{prefix}{p}.{suffix}") for p in pieces], 0)
+        return get(name)
+
+    return fused
+
+
+def build_model_layout(pool: PagePool, cfg: ModelConfig, layer_range: tuple[int, int], block_size: int,
+                       source: WeightSource | None = None) -> LayerMemoryLayout:
+    """A LayerMemoryLayout for cfg's [start, end), filled from an HF-named source when given."""
+    start, end = layer_range
+    return LayerMemoryLayout(
+        pool, num_layers_model=cfg.num_layers, layer_start=start, layer_end=end,
+        layer_specs=fused_layer_specs(cfg),
+        kv=KVCacheSpec(cfg.num_kv_heads, cfg.head_dim, block_size, cfg.torch_dtype),
+        groups=weight_groups(cfg),
+        weight_source=fused_source(source) if source is not None else None,
+    )
