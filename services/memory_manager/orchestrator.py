@@ -29,7 +29,8 @@ from kunserve.shared.policy import planner
 from kunserve.shared.epochs import MAX_EPOCH
 from kunserve.shared.faults import fault_armed, fault_point
 from kunserve.shared.log import get_logger
-from kunserve.shared.policy.transition_plan import Member, SeqMove, TransitionError, UnitDef, assign_restore_targets, assign_tables
+from kunserve.shared.policy.cluster import Member, Unit
+from kunserve.shared.policy.transition_plan import SeqMove, TransitionError, assign_restore_targets, assign_tables
 from kunserve.v1 import common_pb2, memory_manager_pb2, worker_pb2
 
 
@@ -44,10 +45,10 @@ class OrchestrationError(Exception):
 @dataclass
 class ClusterView:
     infos: dict[str, worker_pb2.WorkerInfo]
-    units: list[UnitDef]
+    units: list[Unit]
     num_layers: int
 
-    def unit(self, unit_id: str) -> UnitDef | None:
+    def unit(self, unit_id: str) -> Unit | None:
         return next((u for u in self.units if u.unit_id == unit_id), None)
 
 
@@ -55,13 +56,13 @@ def group_id_for(worker_ids) -> str:
     return "+".join(worker_ids)
 
 
-def _unit_pb(u: UnitDef) -> worker_pb2.Unit:
+def _unit_pb(u: Unit) -> worker_pb2.Unit:
     return worker_pb2.Unit(unit_id=u.unit_id, kv_blocks=u.kv_blocks, members=[
         worker_pb2.UnitMember(worker_id=m.worker_id, transfer_address=m.transfer_address, layer_start=m.layer_start,
                               layer_end=m.layer_end) for m in u.members])
 
 
-def planned_pb(u: UnitDef, changed: bool = True) -> memory_manager_pb2.PlannedGroup:
+def planned_pb(u: Unit, changed: bool = True) -> memory_manager_pb2.PlannedGroup:
     return memory_manager_pb2.PlannedGroup(group_id=u.unit_id, changed=changed, members=[
         memory_manager_pb2.WorkerLayout(worker_id=m.worker_id, layer_start=m.layer_start, layer_end=m.layer_end,
                                         group_id=u.unit_id, transfer_address=m.transfer_address,
@@ -96,7 +97,7 @@ class Orchestrator:
         if not infos:
             raise OrchestrationError("UNAVAILABLE", "no worker is reachable")
         num_layers = max(i.num_layers_model for i in infos.values())
-        units: list[UnitDef] = []
+        units: list[Unit] = []
         seen: set[str] = set()
         for wid in sorted(infos):
             if wid in seen:
@@ -106,7 +107,7 @@ class Orchestrator:
             if any(m not in infos for m in members):
                 continue  # a group with an unreachable member: not plannable now (it heals itself)
             seen.update(members)
-            units.append(UnitDef(i.group_id or wid, tuple(
+            units.append(Unit(i.group_id or wid, tuple(
                 Member(m, infos[m].layer_start, infos[m].layer_end, infos[m].transfer_address) for m in members)))
         return ClusterView(infos, units, num_layers)
 
@@ -124,15 +125,14 @@ class Orchestrator:
 
     # -- planning ----------------------------------------------------------------------------------------------
     async def plan(self, req: memory_manager_pb2.DropRequest) -> tuple[memory_manager_pb2.DropPlanReply, ClusterView,
-                                                                          list[UnitDef], list[UnitDef]]:
+                                                                          list[Unit], list[Unit]]:
         """(reply, view, old units that change, the new units they become)."""
         view = await self.view()
         L = view.num_layers
         if req.groups:
             return self._explicit(req, view)
         cost = await self.model_cost(view)
-        groups = [planner.Group(u.unit_id, [planner.Instance(m.worker_id, m.layer_start, m.layer_end)
-                                            for m in u.members]) for u in view.units]
+        groups = view.units
         if req.required_bytes > 0:
             plan = planner.plan_drop(groups, cost, required_bytes=req.required_bytes, max_group_size=L)
         elif req.required_blocks > 0:
@@ -141,15 +141,15 @@ class Orchestrator:
             plan = planner.plan_drop(groups, cost, required_bytes=1, max_group_size=L)
         old_units, new_units = [], []
         by_id = {u.unit_id: u for u in view.units}
-        for g in plan.changed_groups:
+        for g in plan.changed_units:
             olds = [by_id[x] for x in g.merged_from]
             if any(len(u.members) > 1 for u in olds):
                 # Regrouping an existing group needs KV of three or more members to move at once: restore first.
                 continue
-            members = tuple(Member(a.instance_id, a.layer_start, a.layer_end, by_id[a.instance_id].members[0].transfer_address)
+            members = tuple(Member(a.worker_id, a.layer_start, a.layer_end, by_id[a.worker_id].members[0].transfer_address)
                             for a in g.members)
             old_units.extend(olds)
-            new_units.append(UnitDef(group_id_for(m.worker_id for m in members), members))
+            new_units.append(Unit(group_id_for(m.worker_id for m in members), members))
         reply = memory_manager_pb2.DropPlanReply(
             met=plan.met, autoscale_needed=plan.autoscale_needed, fallback=plan.fallback or "",
             required_bytes=plan.required_bytes, freed_bytes=plan.freed_bytes,
@@ -182,7 +182,7 @@ class Orchestrator:
             ranges = planner.balanced_split(view.num_layers, len(ids))
             members = tuple(Member(w, a, b, by_worker[w].members[0].transfer_address) for w, (a, b) in zip(ids, ranges))
             old_units.extend(by_worker[w] for w in ids)
-            new_units.append(UnitDef(group_id_for(ids), members))
+            new_units.append(Unit(group_id_for(ids), members))
         reply = memory_manager_pb2.DropPlanReply(met=True, epoch=self.mm.layout.epoch,
                                                  groups=[planned_pb(u) for u in new_units])
         return reply, view, old_units, new_units
@@ -220,7 +220,7 @@ class Orchestrator:
             if not groups:
                 return memory_manager_pb2.TransitionReport(op="restore", epoch=self.mm.layout.epoch, completed=True,
                                                            error="nothing to restore: no dropped group")
-            new_units = [UnitDef(m.worker_id, (Member(m.worker_id, 0, view.num_layers, m.transfer_address),))
+            new_units = [Unit(m.worker_id, (Member(m.worker_id, 0, view.num_layers, m.transfer_address),))
                          for g in groups for m in g.members]
             return await self._transition("restore", view, groups, new_units, t0)
 
@@ -308,7 +308,7 @@ class Orchestrator:
             await asyncio.sleep(interval)
             await self._each(workers, lambda stub, _: stub.RenewTransition(ref, timeout=interval))
 
-    async def _transition(self, op: str, view: ClusterView, old_units: list[UnitDef], new_units: list[UnitDef],
+    async def _transition(self, op: str, view: ClusterView, old_units: list[Unit], new_units: list[Unit],
                           t0: float, migrate: tuple[str, str, int] | None = None) -> memory_manager_pb2.TransitionReport:
         epoch = max([self.mm.layout.epoch] + [i.epoch for i in view.infos.values()]) + 1
         if epoch >= MAX_EPOCH:  # refresh() never takes such an epoch from a worker; this is the last guard
@@ -323,7 +323,7 @@ class Orchestrator:
         finally:
             renewing.cancel()
 
-    async def _drive(self, op: str, view: ClusterView, old_units: list[UnitDef], new_units: list[UnitDef], t0: float,
+    async def _drive(self, op: str, view: ClusterView, old_units: list[Unit], new_units: list[Unit], t0: float,
                      migrate: tuple[str, str, int] | None, epoch: int,
                      workers: list[str]) -> memory_manager_pb2.TransitionReport:
         spec = worker_pb2.TransitionSpec(epoch=epoch, op=op, old_units=[_unit_pb(u) for u in old_units],
@@ -343,7 +343,7 @@ class Orchestrator:
 
         # 2. block tables in the new units
         capacity = {u.unit_id: min(prepared[w].kv_blocks_after for w in u.worker_ids) for u in new_units}
-        new_units = [UnitDef(u.unit_id, u.members, capacity[u.unit_id]) for u in new_units]
+        new_units = [Unit(u.unit_id, u.members, capacity[u.unit_id]) for u in new_units]
         seqs = [s for w in workers for s in prepared[w].seqs]
         unit_of_head = {w: u.unit_id for u in new_units for w in u.worker_ids}
         old_head = {u.unit_id: u.head for u in old_units}

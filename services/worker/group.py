@@ -24,7 +24,7 @@ from kunserve.shared.engine.stage_wire import StageBatch
 from kunserve.shared.log import get_logger
 from kunserve.shared.transfer.framing import ACTIVATION
 from kunserve.shared.transfer.service import Received, TransferError, TransferService
-from kunserve.shared.policy.transition_plan import UnitDef
+from kunserve.shared.policy.cluster import Unit
 
 MB = "mb"
 OUT = "out"
@@ -35,7 +35,7 @@ class GroupRole:
     """Where this worker sits in its unit after a transition."""
 
     epoch: int
-    unit: UnitDef
+    unit: Unit
     index: int  # 0 = head
 
     @property

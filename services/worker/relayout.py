@@ -44,7 +44,8 @@ from kunserve.shared.faults import fault_point
 from kunserve.shared.log import get_logger
 from kunserve.shared.transfer.framing import CONTROL, KV_EXCHANGE
 from kunserve.shared.transfer.service import TransferError, TransferService
-from kunserve.shared.policy.transition_plan import Flow, Member, SeqMove, TransitionError, UnitDef, kv_flows, unit_of
+from kunserve.shared.policy.cluster import Member, Unit
+from kunserve.shared.policy.transition_plan import Flow, SeqMove, TransitionError, kv_flows, unit_of
 from kunserve.v1 import worker_pb2
 
 from .group import GroupRole, StageRunner, UcxPipelineLink
@@ -71,8 +72,8 @@ class Moved:
     worker_id: str
 
 
-def units_from_pb(units) -> list[UnitDef]:
-    return [UnitDef(u.unit_id, tuple(Member(m.worker_id, m.layer_start, m.layer_end, m.transfer_address)
+def units_from_pb(units) -> list[Unit]:
+    return [Unit(u.unit_id, tuple(Member(m.worker_id, m.layer_start, m.layer_end, m.transfer_address)
                                      for m in u.members), u.kv_blocks) for u in units]
 
 
@@ -455,7 +456,7 @@ class TransitionRunner:
         self.role = role if multi else None
 
     def _switch_streams(self, p: _Prepared, old_owned: set[str], now_owned: set[str], spec,
-                        new_units: list[UnitDef]) -> None:
+                        new_units: list[Unit]) -> None:
         """Requests that arrived get a buffered stream and an engine callback until the dispatcher attaches;
         requests that left are noted for the commit, which ends their streams with moved_to."""
         new_unit_of = {s.request_id: s.new_unit for s in spec.seqs}
@@ -560,7 +561,7 @@ class TransitionRunner:
         self._tell_members_we_left(role)
 
     # -- helpers ------------------------------------------------------------------------------------------
-    async def _connect_peers(self, units: list[UnitDef]) -> None:
+    async def _connect_peers(self, units: list[Unit]) -> None:
         """Links to every other member of the old and new units; usually already open (connect_peers)."""
         want = {m.worker_id: m.transfer_address for u in units for m in u.members if m.worker_id != self.worker_id}
         for wid, addr in sorted(want.items()):

@@ -15,18 +15,16 @@ possible: the drop then only unmaps layers and loads nothing (``load`` lists wha
 otherwise). When R cannot be met, the plan says so (``met`` False, ``autoscale_needed``, fallback
 ``"kv_centric"``) and still carries the best-effort merges; the caller decides whether to apply them.
 
-Restore (``plan_restore``): split a group back into full instances (or into ``parts`` smaller groups);
-each member must load the layers it lacks, from the member that holds them now.
+Groups and instances are `cluster.Unit`s of `cluster.Member`s (a whole instance is a one-member unit).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-Range = tuple[int, int]  # [start, end)
-
+from kunserve.shared.policy.cluster import Member, Range, Unit
 
 @dataclass(frozen=True)
 class ModelCost:
@@ -75,39 +73,10 @@ class ModelCost:
 
 
 @dataclass(frozen=True)
-class Instance:
-    instance_id: str
-    layer_start: int
-    layer_end: int
-
-    @property
-    def range(self) -> Range:
-        return (self.layer_start, self.layer_end)
-
-
-@dataclass(frozen=True)
-class Group:
-    group_id: str
-    instances: tuple[Instance, ...]  # pipeline order
-
-    def __init__(self, group_id: str, instances: Sequence[Instance]) -> None:
-        object.__setattr__(self, "group_id", group_id)
-        object.__setattr__(self, "instances", tuple(instances))
-
-    @property
-    def size(self) -> int:
-        return len(self.instances)
-
-    @classmethod
-    def single(cls, instance_id: str, num_layers: int) -> Group:
-        return cls(instance_id, [Instance(instance_id, 0, num_layers)])
-
-
-@dataclass(frozen=True)
 class Assignment:
     """One member's new layer range, and what changes on it."""
 
-    instance_id: str
+    worker_id: str
     layer_start: int
     layer_end: int
     old_start: int
@@ -122,8 +91,8 @@ class Assignment:
 
 
 @dataclass(frozen=True)
-class PlannedGroup:
-    group_id: str
+class PlannedUnit:
+    unit_id: str
     members: tuple[Assignment, ...]  # pipeline order
     merged_from: tuple[str, ...]     # the previous groups' ids (one id: unchanged / split part)
 
@@ -138,7 +107,7 @@ class PlannedGroup:
 
 @dataclass(frozen=True)
 class DropPlan:
-    groups: tuple[PlannedGroup, ...]
+    units: tuple[PlannedUnit, ...]
     merges: tuple[tuple[str, str, str], ...]  # (group a, group b, merged group id), in order
     required_bytes: int
     freed_bytes: int                          # sum over merges of the duplicated layers' bytes (Fig. 6)
@@ -155,25 +124,12 @@ class DropPlan:
         return None if self.met else "kv_centric"
 
     @property
-    def changed_groups(self) -> tuple[PlannedGroup, ...]:
-        return tuple(g for g in self.groups if len(g.merged_from) > 1)
+    def changed_units(self) -> tuple[PlannedUnit, ...]:
+        return tuple(g for g in self.units if len(g.merged_from) > 1)
 
     @property
     def net_freed_bytes(self) -> int:
-        return sum(m.freed_bytes for g in self.groups for m in g.members)
-
-
-@dataclass(frozen=True)
-class RestorePlan:
-    group_id: str
-    groups: tuple[PlannedGroup, ...]          # the parts (full instances when parts == members)
-    sources: dict[str, tuple[tuple[int, int, str], ...]] = field(default_factory=dict)
-    # instance -> ((start, end, holder instance), ...): where each layer range it lacks is held now
-    load_bytes: int = 0                       # weights to fetch = KV capacity given back
-
-    @property
-    def freed_bytes(self) -> int:
-        return -self.load_bytes
+        return sum(m.freed_bytes for g in self.units for m in g.members)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -202,42 +158,42 @@ def _minus(a: Range, b: Range) -> tuple[Range, ...]:
     return tuple(out)
 
 
-def _check_group(g: Group, num_layers: int) -> None:
-    if not g.instances:
-        raise ValueError(f"group {g.group_id} has no instances")
-    ranges = sorted(i.range for i in g.instances)
+def _check_unit(g: Unit, num_layers: int) -> None:
+    if not g.members:
+        raise ValueError(f"group {g.unit_id} has no members")
+    ranges = sorted(i.range for i in g.members)
     pos = 0
     for s, e in ranges:
         if s != pos or e <= s:
-            raise ValueError(f"group {g.group_id} does not hold layers [0, {num_layers}) exactly once: "
-                             f"{[i.range for i in g.instances]}")
+            raise ValueError(f"group {g.unit_id} does not hold layers [0, {num_layers}) exactly once: "
+                             f"{[i.range for i in g.members]}")
         pos = e
     if pos != num_layers:
-        raise ValueError(f"group {g.group_id} holds layers up to {pos}, the model has {num_layers}")
+        raise ValueError(f"group {g.unit_id} holds layers up to {pos}, the model has {num_layers}")
 
 
-def assign_layers(instances: Sequence[Instance], model: ModelCost) -> tuple[Assignment, ...]:
-    """A balanced contiguous split among ``instances``, in a pipeline order that keeps new ranges inside the
+def assign_layers(members: Sequence[Member], model: ModelCost) -> tuple[Assignment, ...]:
+    """A balanced contiguous split among ``members``, in a pipeline order that keeps new ranges inside the
     old ones where possible (ordered by the midpoint of the old range, then start, then id)."""
-    order = sorted(instances, key=lambda i: (i.layer_start + i.layer_end, i.layer_start, i.instance_id))
+    order = sorted(members, key=lambda i: (i.layer_start + i.layer_end, i.layer_start, i.worker_id))
     out = []
     for inst, (s, e) in zip(order, balanced_split(model.num_layers, len(order))):
         old = inst.range
         drop, load = _minus(old, (s, e)), _minus((s, e), old)
-        out.append(Assignment(inst.instance_id, s, e, old[0], old[1], drop, load,
+        out.append(Assignment(inst.worker_id, s, e, old[0], old[1], drop, load,
                               model.bytes_of(*old) - model.bytes_of(s, e)))
     return tuple(out)
 
 
-def _unchanged(g: Group) -> PlannedGroup:
-    return PlannedGroup(g.group_id, tuple(Assignment(i.instance_id, i.layer_start, i.layer_end, i.layer_start,
-                                                     i.layer_end, (), (), 0) for i in g.instances), (g.group_id,))
+def _unchanged(g: Unit) -> PlannedUnit:
+    return PlannedUnit(g.unit_id, tuple(Assignment(i.worker_id, i.layer_start, i.layer_end, i.layer_start,
+                                                     i.layer_end, (), (), 0) for i in g.members), (g.unit_id,))
 
 
 # ---------------------------------------------------------------------- drop
 
 
-def plan_drop(groups: Sequence[Group], model: ModelCost, required_bytes: int | None = None, *,
+def plan_drop(groups: Sequence[Unit], model: ModelCost, required_bytes: int | None = None, *,
               required_blocks: int | None = None, max_group_size: int | None = None) -> DropPlan:
     """KunServe Fig. 6. R in bytes, or in whole-model KV blocks (converted with ``model.block_bytes``)."""
     if (required_bytes is None) == (required_blocks is None):
@@ -245,20 +201,20 @@ def plan_drop(groups: Sequence[Group], model: ModelCost, required_bytes: int | N
     r = required_bytes if required_bytes is not None else model.blocks_to_bytes(required_blocks)
     if r < 0:
         raise ValueError("the requirement must be >= 0")
-    ids = [g.group_id for g in groups]
+    ids = [g.unit_id for g in groups]
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate group ids in {ids}")
     seen: set[str] = set()
     for g in groups:
-        _check_group(g, model.num_layers)
-        for i in g.instances:
-            if i.instance_id in seen:
-                raise ValueError(f"instance {i.instance_id} is in two groups")
-            seen.add(i.instance_id)
+        _check_unit(g, model.num_layers)
+        for i in g.members:
+            if i.worker_id in seen:
+                raise ValueError(f"worker {i.worker_id} is in two groups")
+            seen.add(i.worker_id)
     limit = model.num_layers if max_group_size is None else min(max_group_size, model.num_layers)
 
     # heap entries: (size, group id, instances, ids of the original groups merged into it)
-    heap = [(g.size, g.group_id, g.instances, (g.group_id,)) for g in groups]
+    heap = [(g.size, g.unit_id, g.members, (g.unit_id,)) for g in groups]
     heapq.heapify(heap)
     freed, merges = 0, []
     while len(heap) >= 2 and freed < r:
@@ -274,44 +230,12 @@ def plan_drop(groups: Sequence[Group], model: ModelCost, required_bytes: int | N
         merges.append((id0, id1, new_id))
         heapq.heappush(heap, (s0 + s1, new_id, inst0 + inst1, from0 + from1))
 
-    by_id = {g.group_id: g for g in groups}
+    by_id = {g.unit_id: g for g in groups}
     planned = []
     for size, gid, insts, merged_from in sorted(heap, key=lambda e: e[1]):
         if len(merged_from) == 1:
             planned.append(_unchanged(by_id[gid]))
         else:
-            planned.append(PlannedGroup(gid, assign_layers(insts, model), tuple(sorted(merged_from))))
+            planned.append(PlannedUnit(gid, assign_layers(insts, model), tuple(sorted(merged_from))))
     load = sum(model.bytes_of(*rng) for g in planned for m in g.members for rng in m.load)
     return DropPlan(tuple(planned), tuple(merges), r, freed, freed >= r, load)
-
-
-# ---------------------------------------------------------------------- restore
-
-
-def plan_restore(group: Group, model: ModelCost, parts: int | None = None) -> RestorePlan:
-    """Split ``group`` into ``parts`` groups (default: one full instance per member). Part k takes every
-    parts-th member in pipeline order starting at k, so each part already spans the model and loads as
-    little as possible; each part gets a balanced split; missing layers come from their current holder."""
-    _check_group(group, model.num_layers)
-    n = group.size
-    parts = n if parts is None else parts
-    if not 0 < parts <= n:
-        raise ValueError(f"cannot split group {group.group_id} of {n} into {parts} parts")
-    holders = sorted(group.instances, key=lambda i: i.layer_start)
-    planned, sources, load_bytes = [], {}, 0
-    for k in range(parts):
-        members = holders[k::parts]  # round-robin over the pipeline: each part already spans the model
-        assigned = assign_layers(members, model)
-        gid = group.group_id if k == 0 else next(
-            (m.instance_id for m in members if m.instance_id != group.group_id), f"{group.group_id}.{k}")
-        planned.append(PlannedGroup(gid, assigned, (group.group_id,)))
-        for a in assigned:
-            segs = []
-            for lo, hi in a.load:
-                for h in holders:
-                    s, e = max(lo, h.layer_start), min(hi, h.layer_end)
-                    if s < e:
-                        segs.append((s, e, h.instance_id))
-            sources[a.instance_id] = tuple(segs)
-            load_bytes += sum(model.bytes_of(lo, hi) for lo, hi in a.load)
-    return RestorePlan(group.group_id, tuple(planned), sources, load_bytes)

@@ -22,58 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-Range = tuple[int, int]
-
+from kunserve.shared.policy.cluster import Unit
 
 class TransitionError(ValueError):
     """The transition cannot be planned (unknown worker, bad ranges, requests that do not fit)."""
-
-
-@dataclass(frozen=True)
-class Member:
-    worker_id: str
-    layer_start: int
-    layer_end: int
-    transfer_address: str = ""
-
-    @property
-    def range(self) -> Range:
-        return self.layer_start, self.layer_end
-
-
-@dataclass(frozen=True)
-class UnitDef:
-    unit_id: str
-    members: tuple[Member, ...]
-    kv_blocks: int = 0  # new units: the shared block-id space
-
-    @property
-    def head(self) -> str:
-        return self.members[0].worker_id
-
-    @property
-    def worker_ids(self) -> tuple[str, ...]:
-        return tuple(m.worker_id for m in self.members)
-
-    def member(self, worker_id: str) -> Member | None:
-        for m in self.members:
-            if m.worker_id == worker_id:
-                return m
-        return None
-
-    def check(self, num_layers: int) -> None:
-        """Members' ranges must tile [0, num_layers) in pipeline order."""
-        if not self.members:
-            raise TransitionError(f"unit {self.unit_id}: no members")
-        at = 0
-        for m in self.members:
-            if m.layer_start != at or m.layer_end <= m.layer_start:
-                raise TransitionError(f"unit {self.unit_id}: ranges {[m.range for m in self.members]} do not tile "
-                                      f"[0, {num_layers}) in order")
-            at = m.layer_end
-        if at != num_layers:
-            raise TransitionError(f"unit {self.unit_id}: ranges {[m.range for m in self.members]} do not cover "
-                                  f"[0, {num_layers})")
 
 
 @dataclass
@@ -113,9 +65,16 @@ class Flow:
         return sum(p.num_layers * len(p.old_blocks) for p in self.parts)
 
 
-def check_units(old: Sequence[UnitDef], new: Sequence[UnitDef], num_layers: int) -> None:
+def check_unit(unit: Unit, num_layers: int) -> None:
+    """The unit's members must tile [0, num_layers) in pipeline order."""
+    problem = unit.tiling_problem(num_layers)
+    if problem is not None:
+        raise TransitionError(problem)
+
+
+def check_units(old: Sequence[Unit], new: Sequence[Unit], num_layers: int) -> None:
     """Same workers on both sides, each in exactly one unit; every unit tiles the model."""
-    def workers(units: Sequence[UnitDef]) -> list[str]:
+    def workers(units: Sequence[Unit]) -> list[str]:
         return [w for u in units for w in u.worker_ids]
 
     for units in (old, new):
@@ -123,7 +82,7 @@ def check_units(old: Sequence[UnitDef], new: Sequence[UnitDef], num_layers: int)
         if len(set(ws)) != len(ws):
             raise TransitionError(f"a worker appears twice in units {[u.worker_ids for u in units]}")
         for u in units:
-            u.check(num_layers)
+            check_unit(u, num_layers)
     if sorted(workers(old)) != sorted(workers(new)):
         raise TransitionError(f"old units hold {sorted(workers(old))}, new units {sorted(workers(new))}: "
                               "a transition keeps the same workers")
@@ -136,18 +95,18 @@ def check_units(old: Sequence[UnitDef], new: Sequence[UnitDef], num_layers: int)
                                   "(it would have to reload every layer)")
 
 
-def _find(units: Iterable[UnitDef], worker_id: str) -> UnitDef:
+def _find(units: Iterable[Unit], worker_id: str) -> Unit:
     for u in units:
         if worker_id in u.worker_ids:
             return u
     raise TransitionError(f"worker {worker_id!r} is in no unit")
 
 
-def unit_of(units: Iterable[UnitDef], worker_id: str) -> UnitDef:
+def unit_of(units: Iterable[Unit], worker_id: str) -> Unit:
     return _find(units, worker_id)
 
 
-def assign_tables(moves: Sequence[SeqMove], new_units: Sequence[UnitDef],
+def assign_tables(moves: Sequence[SeqMove], new_units: Sequence[Unit],
                   old_heads: dict[str, str] | None = None) -> list[SeqMove]:
     """New block tables per new unit. Without `old_heads`: compact ids from 0 in the order given. With it
     (old unit id -> its head worker): a request whose new unit has the same head keeps its ids when they fit
@@ -204,7 +163,7 @@ def assign_restore_targets(moves: Sequence[SeqMove], capacity: dict[str, int]) -
     return [SeqMove(m.request_id, m.old_unit, target[m.request_id], m.old_blocks) for m in moves]
 
 
-def kv_flows(old: Sequence[UnitDef], new: Sequence[UnitDef], moves: Sequence[SeqMove]) -> dict[tuple[str, str], Flow]:
+def kv_flows(old: Sequence[Unit], new: Sequence[Unit], moves: Sequence[SeqMove]) -> dict[tuple[str, str], Flow]:
     """(src, dst) -> Flow for every pair that moves at least one block, parts ordered by request then layer."""
     old_by = {u.unit_id: u for u in old}
     new_by = {u.unit_id: u for u in new}

@@ -1,10 +1,11 @@
-"""KunServe Fig. 6 drop plans and restore plans."""
+"""KunServe Fig. 6 drop plans."""
 
 import random
 
 import pytest
 
-from kunserve.shared.policy.planner import (Group, Instance, ModelCost, balanced_split, plan_drop, plan_restore)
+from kunserve.shared.policy.cluster import Member, Unit
+from kunserve.shared.policy.planner import ModelCost, balanced_split, plan_drop
 
 L = 32
 GB = 1 << 30
@@ -12,7 +13,7 @@ MODEL = ModelCost(num_layers=L, layer_bytes=GB // 2, kv_bytes_per_token=128 * 10
 
 
 def pipeline(gid, ids, num_layers=L):
-    return Group(gid, [Instance(i, s, e) for i, (s, e) in zip(ids, balanced_split(num_layers, len(ids)))])
+    return Unit(gid, [Member(i, s, e) for i, (s, e) in zip(ids, balanced_split(num_layers, len(ids)))])
 
 
 def check_cover(group, num_layers=L):
@@ -25,49 +26,49 @@ def check_cover(group, num_layers=L):
 
 
 def test_paper_example_merges_the_groups_of_size_1_and_2():
-    groups = [Group.single("a", L), pipeline("g2", ["b", "c"]), pipeline("g3", ["d", "e", "f"])]
+    groups = [Unit.single("a", L), pipeline("g2", ["b", "c"]), pipeline("g3", ["d", "e", "f"])]
     plan = plan_drop(groups, MODEL, required_bytes=1)
     assert plan.merges == (("a", "g2", "a"),)
     assert plan.met and plan.fallback is None and not plan.autoscale_needed
     assert plan.freed_bytes == MODEL.model_bytes == plan.net_freed_bytes
-    (merged,) = plan.changed_groups
+    (merged,) = plan.changed_units
     assert sorted(merged.merged_from) == ["a", "g2"] and merged.size == 3
     check_cover(merged)
     # aligned: b [0,16) c [16,32) a [0,32) -> b [0,11), a [11,22), c [22,32): everyone keeps a subset
-    assert [m.instance_id for m in merged.members] == ["b", "a", "c"]
+    assert [m.worker_id for m in merged.members] == ["b", "a", "c"]
     assert plan.load_bytes == 0 and all(not m.load for m in merged.members)
-    untouched = [g for g in plan.groups if g.group_id == "g3"][0]
+    untouched = [g for g in plan.units if g.unit_id == "g3"][0]
     assert not untouched.changed and untouched.merged_from == ("g3",)
 
 
 def test_two_instances_split_the_model_in_halves():
-    plan = plan_drop([Group.single("x", L), Group.single("y", L)], MODEL, required_bytes=GB)
-    (g,) = plan.groups
-    assert [(m.instance_id, m.range) for m in g.members] == [("x", (0, 16)), ("y", (16, 32))]
+    plan = plan_drop([Unit.single("x", L), Unit.single("y", L)], MODEL, required_bytes=GB)
+    (g,) = plan.units
+    assert [(m.worker_id, m.range) for m in g.members] == [("x", (0, 16)), ("y", (16, 32))]
     assert [m.drop for m in g.members] == [((16, 32),), ((0, 16),)]
     assert all(m.freed_bytes == 16 * (GB // 2) for m in g.members)
 
 
 def test_merges_continue_until_the_requirement_is_met_and_stop_there():
-    groups = [Group.single(f"i{k}", L) for k in range(8)]
+    groups = [Unit.single(f"i{k}", L) for k in range(8)]
     one_copy = MODEL.model_bytes
     plan = plan_drop(groups, MODEL, required_bytes=2 * one_copy + 1)  # needs 3 merges
     assert len(plan.merges) == 3 and plan.freed_bytes == 3 * one_copy and plan.met
-    sizes = sorted(g.size for g in plan.groups)
+    sizes = sorted(g.size for g in plan.units)
     assert sizes == [1, 1, 2, 2, 2]  # the smallest groups merge first: three pairs, not one deep pipeline
-    for g in plan.changed_groups:
+    for g in plan.changed_units:
         check_cover(g)
     assert plan_drop(groups, MODEL, required_bytes=0).merges == ()
 
 
 def test_no_plan_when_the_requirement_cannot_be_met():
-    groups = [Group.single("a", L), Group.single("b", L), Group.single("c", L)]
+    groups = [Unit.single("a", L), Unit.single("b", L), Unit.single("c", L)]
     plan = plan_drop(groups, MODEL, required_bytes=10 * MODEL.model_bytes)
     assert not plan.met and plan.autoscale_needed and plan.fallback == "kv_centric"
     assert len(plan.merges) == 2 and plan.freed_bytes == 2 * MODEL.model_bytes  # best effort, one group left
-    (g,) = plan.groups
+    (g,) = plan.units
     check_cover(g)
-    single = plan_drop([Group.single("a", L)], MODEL, required_bytes=1)
+    single = plan_drop([Unit.single("a", L)], MODEL, required_bytes=1)
     assert not single.met and single.merges == ()
 
 
@@ -76,24 +77,24 @@ def test_pipeline_depth_limit_stops_merging():
     plan = plan_drop(groups, MODEL, required_bytes=10 * MODEL.model_bytes, max_group_size=4)
     assert len(plan.merges) == 1 and not plan.met
     tiny = ModelCost(num_layers=2, layer_bytes=1)
-    plan = plan_drop([Group.single("a", 2), Group.single("b", 2), Group.single("c", 2)], tiny, required_bytes=5)
+    plan = plan_drop([Unit.single("a", 2), Unit.single("b", 2), Unit.single("c", 2)], tiny, required_bytes=5)
     assert len(plan.merges) == 1  # a 3-stage pipeline of a 2-layer model is impossible
 
 
 def test_requirement_in_blocks():
     # one merge frees 16 GiB; a whole-model block is 16 tokens * 128 KiB * 32 layers = 64 MiB -> 256 blocks
     assert MODEL.block_bytes == 64 << 20 and MODEL.bytes_to_blocks(MODEL.model_bytes) == 256
-    groups = [Group.single(f"i{k}", L) for k in range(4)]
+    groups = [Unit.single(f"i{k}", L) for k in range(4)]
     assert len(plan_drop(groups, MODEL, required_blocks=256).merges) == 1
     assert len(plan_drop(groups, MODEL, required_blocks=257).merges) == 2
 
 
 def test_uneven_layers_and_sizes_still_cover_exactly_once():
     model = ModelCost(num_layers=7, layer_bytes=tuple(range(10, 17)))
-    groups = [Group.single("a", 7), pipeline("g", ["b", "c"], 7), pipeline("h", ["d", "e", "f"], 7)]
+    groups = [Unit.single("a", 7), pipeline("g", ["b", "c"], 7), pipeline("h", ["d", "e", "f"], 7)]
     plan = plan_drop(groups, model, required_bytes=10**9)
     assert not plan.met and len(plan.merges) == 2
-    (g,) = plan.groups
+    (g,) = plan.units
     assert [e - s for s, e in (m.range for m in g.members)] == [2, 1, 1, 1, 1, 1]
     check_cover(g, 7)
     # the freed total is one model copy per merge; loads (misaligned splits) are reported, not hidden
@@ -123,50 +124,16 @@ def test_random_layouts_are_deterministic_and_valid():
         assert plan == plan_drop(list(reversed(groups)), MODEL, required_bytes=r)
         assert plan.met == (plan.freed_bytes >= r)
         assert plan.freed_bytes == len(plan.merges) * MODEL.model_bytes == plan.net_freed_bytes
-        assert sorted(m.instance_id for g in plan.groups for m in g.members) == sorted(
-            i.instance_id for g in groups for i in g.instances)
-        for g in plan.changed_groups:
+        assert sorted(m.worker_id for g in plan.units for m in g.members) == sorted(
+            i.worker_id for g in groups for i in g.members)
+        for g in plan.changed_units:
             check_cover(g)
 
 
 def test_bad_input_is_rejected():
     with pytest.raises(ValueError, match="exactly once"):
-        plan_drop([Group("g", [Instance("a", 0, 10), Instance("b", 12, 32)])], MODEL, required_bytes=1)
+        plan_drop([Unit("g", [Member("a", 0, 10), Member("b", 12, 32)])], MODEL, required_bytes=1)
     with pytest.raises(ValueError, match="two groups"):
-        plan_drop([Group.single("a", L), Group("b", [Instance("a", 0, L)])], MODEL, required_bytes=1)
+        plan_drop([Unit.single("a", L), Unit("b", [Member("a", 0, L)])], MODEL, required_bytes=1)
     with pytest.raises(ValueError, match="exactly one"):
-        plan_drop([Group.single("a", L)], MODEL)
-
-
-def test_restore_splits_a_group_into_full_instances_loading_from_holders():
-    g = pipeline("g", ["a", "b", "c"])  # a [0,11) b [11,22) c [22,32)
-    plan = plan_restore(g, MODEL)
-    assert [p.size for p in plan.groups] == [1, 1, 1]
-    for p in plan.groups:
-        (m,) = p.members
-        assert m.range == (0, L)
-    assert plan.sources["a"] == ((11, 22, "b"), (22, 32, "c"))
-    assert plan.sources["b"] == ((0, 11, "a"), (22, 32, "c"))
-    assert plan.load_bytes == 2 * MODEL.model_bytes and plan.freed_bytes == -2 * MODEL.model_bytes
-    assert [p.group_id for p in plan.groups] == ["g", "b", "c"]
-
-
-def test_partial_restore_and_drop_restore_round_trip():
-    groups = [Group.single(f"i{k}", L) for k in range(4)]
-    plan = plan_drop(groups, MODEL, required_bytes=3 * MODEL.model_bytes)
-    (big,) = plan.groups
-    assert big.size == 4
-    merged = Group(big.group_id, [Instance(m.instance_id, *m.range) for m in big.members])
-    half = plan_restore(merged, MODEL, parts=2)
-    assert [p.size for p in half.groups] == [2, 2]
-    for p in half.groups:
-        check_cover(p)
-    assert half.load_bytes == MODEL.model_bytes  # 1 copy -> 2 copies: the minimum
-    full = plan_restore(merged, MODEL)
-    assert sorted(m.instance_id for p in full.groups for m in p.members) == ["i0", "i1", "i2", "i3"]
-
-
-def test_restore_part_ids_are_unique():
-    g = Group("b", [Instance("a", 0, 16), Instance("b", 16, 32)])
-    plan = plan_restore(g, MODEL)
-    assert [p.group_id for p in plan.groups] == ["b", "b.1"]  # "b" is taken by part 0
+        plan_drop([Unit.single("a", L)], MODEL)

@@ -8,18 +8,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kunserve.shared.policy.transition_plan import (Flow, FlowPart, Member, SeqMove, TransitionError, UnitDef,
-                                        assign_restore_targets, assign_tables, check_units, kv_flows, unit_of)
+from kunserve.shared.policy.cluster import Member, Unit
+from kunserve.shared.policy.transition_plan import Flow, FlowPart, SeqMove, TransitionError, assign_restore_targets, assign_tables, check_unit, check_units, kv_flows, unit_of
 
 L = 4  # layers of the model in the hand-written cases
 
 
-def whole(uid: str, worker: str, kv_blocks: int = 0) -> UnitDef:
-    return UnitDef(uid, (Member(worker, 0, L),), kv_blocks)
+def whole(uid: str, worker: str, kv_blocks: int = 0) -> Unit:
+    return Unit(uid, (Member(worker, 0, L),), kv_blocks)
 
 
-def group(uid: str, *members: tuple[str, int, int], kv_blocks: int = 0) -> UnitDef:
-    return UnitDef(uid, tuple(Member(w, a, b) for w, a, b in members), kv_blocks)
+def group(uid: str, *members: tuple[str, int, int], kv_blocks: int = 0) -> Unit:
+    return Unit(uid, tuple(Member(w, a, b) for w, a, b in members), kv_blocks)
 
 
 OLD_WHOLES = [whole("uA", "A"), whole("uB", "B")]
@@ -164,7 +164,7 @@ def test_check_units_worker_in_two_units():
 ])
 def test_check_units_ranges_that_do_not_tile(ranges):
     ws = ["A", "B", "C"][: len(ranges)]
-    bad = UnitDef("g", tuple(Member(w, a, b) for w, (a, b) in zip(ws, ranges)))
+    bad = Unit("g", tuple(Member(w, a, b) for w, (a, b) in zip(ws, ranges)))
     old = [whole(f"u{w}", w) for w in ws]
     with pytest.raises(TransitionError, match="g"):
         check_units(old, [bad], L)
@@ -174,7 +174,7 @@ def test_check_units_ranges_that_do_not_tile(ranges):
 
 def test_check_units_empty_unit():
     with pytest.raises(TransitionError, match="no members"):
-        UnitDef("e", ()).check(L)
+        check_unit(Unit("e", ()), L)
 
 
 def test_check_units_new_range_must_overlap_the_old_one():
@@ -217,7 +217,7 @@ def partitions(draw, num_layers: int):
                                     unique=True))) if size > 1 else []
         bounds = [0, *cuts, num_layers]
         members = tuple(Member(w, a, b) for w, a, b in zip(ws[i:i + size], bounds, bounds[1:]))
-        units.append(UnitDef(f"u{len(units)}", members))
+        units.append(Unit(f"u{len(units)}", members))
         i += size
     return ws, units
 
@@ -235,7 +235,7 @@ def transitions(draw):
         cuts = sorted(draw(st.lists(st.integers(1, num_layers - 1), min_size=size - 1, max_size=size - 1,
                                     unique=True))) if size > 1 else []
         bounds = [0, *cuts, num_layers]
-        new.append(UnitDef(f"n{len(new)}", tuple(Member(w, a, b) for w, a, b in zip(perm[i:i + size], bounds,
+        new.append(Unit(f"n{len(new)}", tuple(Member(w, a, b) for w, a, b in zip(perm[i:i + size], bounds,
                                                                                      bounds[1:])), kv_blocks=64))
         i += size
     n_req = draw(st.integers(0, 8))
@@ -255,7 +255,7 @@ def transitions(draw):
 def test_every_layer_of_every_request_moves_exactly_once(t):
     num_layers, old, new, moves = t
     for u in old + new:
-        u.check(num_layers)
+        check_unit(u, num_layers)
     tabled = assign_tables(moves, new)
     flows = kv_flows(old, new, tabled)
     old_by = {u.unit_id: u for u in old}
@@ -297,8 +297,8 @@ def test_every_layer_of_every_request_moves_exactly_once(t):
 def test_requests_staying_with_their_head_keep_their_block_ids():
     """With old_heads, a request whose new unit has its old head keeps its ids (its KV on the head stays
     put); the others get the lowest free ids; a kept id beyond the unit's capacity is not kept."""
-    old = [UnitDef("A", (Member("A", 0, 4),)), UnitDef("B", (Member("B", 0, 4),))]
-    new = [UnitDef("A+B", (Member("A", 0, 2), Member("B", 2, 4)), kv_blocks=8)]
+    old = [Unit("A", (Member("A", 0, 4),)), Unit("B", (Member("B", 0, 4),))]
+    new = [Unit("A+B", (Member("A", 0, 2), Member("B", 2, 4)), kv_blocks=8)]
     moves = [SeqMove("a1", "A", "A+B", (0, 1)), SeqMove("b1", "B", "A+B", (0, 1, 2)), SeqMove("a2", "A", "A+B", (2,)),
              SeqMove("a3", "A", "A+B", (9,))]
     got = {m.request_id: m.new_blocks for m in assign_tables(moves, new, old_heads={"A": "A", "B": "B"})}
