@@ -31,6 +31,7 @@ from kunserve.shared.faults import fault_armed, fault_point
 from kunserve.shared.log import get_logger
 from kunserve.shared.policy.cluster import Member, Unit
 from kunserve.shared.policy.transition_plan import SeqMove, TransitionError, assign_restore_targets, assign_tables
+from kunserve.shared.wire.transitions import planned_to_pb, unit_to_pb
 from kunserve.v1 import common_pb2, memory_manager_pb2, worker_pb2
 
 
@@ -54,19 +55,6 @@ class ClusterView:
 
 def group_id_for(worker_ids) -> str:
     return "+".join(worker_ids)
-
-
-def _unit_pb(u: Unit) -> worker_pb2.Unit:
-    return worker_pb2.Unit(unit_id=u.unit_id, kv_blocks=u.kv_blocks, members=[
-        worker_pb2.UnitMember(worker_id=m.worker_id, transfer_address=m.transfer_address, layer_start=m.layer_start,
-                              layer_end=m.layer_end) for m in u.members])
-
-
-def planned_pb(u: Unit, changed: bool = True) -> memory_manager_pb2.PlannedGroup:
-    return memory_manager_pb2.PlannedGroup(group_id=u.unit_id, changed=changed, members=[
-        memory_manager_pb2.WorkerLayout(worker_id=m.worker_id, layer_start=m.layer_start, layer_end=m.layer_end,
-                                        group_id=u.unit_id, transfer_address=m.transfer_address,
-                                        serving=i == 0, reachable=True) for i, m in enumerate(u.members)])
 
 
 ME = "memory-manager"  # who this process is to fault_point
@@ -154,7 +142,7 @@ class Orchestrator:
             met=plan.met, autoscale_needed=plan.autoscale_needed, fallback=plan.fallback or "",
             required_bytes=plan.required_bytes, freed_bytes=plan.freed_bytes,
             freed_blocks=cost.bytes_to_blocks(plan.freed_bytes), epoch=self.mm.layout.epoch,
-            groups=[planned_pb(u) for u in new_units])
+            groups=[planned_to_pb(u) for u in new_units])
         return reply, view, old_units, new_units
 
     def _explicit(self, req, view: ClusterView):
@@ -184,7 +172,7 @@ class Orchestrator:
             old_units.extend(by_worker[w] for w in ids)
             new_units.append(Unit(group_id_for(ids), members))
         reply = memory_manager_pb2.DropPlanReply(met=True, epoch=self.mm.layout.epoch,
-                                                 groups=[planned_pb(u) for u in new_units])
+                                                 groups=[planned_to_pb(u) for u in new_units])
         return reply, view, old_units, new_units
 
     # -- drop / restore ----------------------------------------------------------------------------------------
@@ -326,8 +314,8 @@ class Orchestrator:
     async def _drive(self, op: str, view: ClusterView, old_units: list[Unit], new_units: list[Unit], t0: float,
                      migrate: tuple[str, str, int] | None, epoch: int,
                      workers: list[str]) -> memory_manager_pb2.TransitionReport:
-        spec = worker_pb2.TransitionSpec(epoch=epoch, op=op, old_units=[_unit_pb(u) for u in old_units],
-                                         new_units=[_unit_pb(u) for u in new_units], lease_s=self.lease_s)
+        spec = worker_pb2.TransitionSpec(epoch=epoch, op=op, old_units=[unit_to_pb(u) for u in old_units],
+                                         new_units=[unit_to_pb(u) for u in new_units], lease_s=self.lease_s)
         report = memory_manager_pb2.TransitionReport(op=op, epoch=self.mm.layout.epoch)
         self.log.info("transition_start", op=op, epoch=epoch, new_units=[u.unit_id for u in new_units])
         timeout = self.timeout_s
@@ -366,7 +354,7 @@ class Orchestrator:
             s.new_unit = m.new_unit
             s.new_blocks[:] = list(m.new_blocks)
         spec.ClearField("new_units")
-        spec.new_units.extend(_unit_pb(u) for u in new_units)
+        spec.new_units.extend(unit_to_pb(u) for u in new_units)
         spec.seqs.extend(seqs)
 
         # 3. execute
@@ -405,7 +393,7 @@ class Orchestrator:
         await self.mm.refresh()
         self.mm.layout.epoch = max(self.mm.layout.epoch, epoch)
         report.epoch = self.mm.layout.epoch
-        report.groups.extend(planned_pb(u) for u in new_units)
+        report.groups.extend(planned_to_pb(u) for u in new_units)
         report.total_seconds = time.perf_counter() - t0
         self.log.info("transition_done", op=op, epoch=epoch, requests=len(seqs), kv_bytes=report.kv_bytes_moved,
                       ms=round(report.total_seconds * 1e3, 1))

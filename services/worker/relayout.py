@@ -35,9 +35,9 @@ from typing import Any, Callable
 
 import torch
 
-from kunserve.shared.wire.requests import sampling_from_pb, sampling_to_pb
 from kunserve.shared.engine.api import EngineRequest
-from kunserve.shared.engine.engine import Engine, GroupBroken, SeqSnapshot
+from kunserve.shared.engine.api import SeqSnapshot
+from kunserve.shared.engine.engine import Engine, GroupBroken
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.faults import fault_point
@@ -46,6 +46,7 @@ from kunserve.shared.transfer.framing import CONTROL, KV_EXCHANGE
 from kunserve.shared.transfer.service import TransferError, TransferService
 from kunserve.shared.policy.cluster import Member, Unit
 from kunserve.shared.policy.transition_plan import Flow, SeqMove, TransitionError, kv_flows, unit_of
+from kunserve.shared.wire.transitions import snapshot_from_pb, snapshot_to_pb, units_from_pb
 from kunserve.v1 import worker_pb2
 
 from .group import GroupRole, StageRunner, UcxPipelineLink
@@ -70,26 +71,6 @@ class Moved:
     """Pushed into a request's stream queue: it now lives on another worker."""
 
     worker_id: str
-
-
-def units_from_pb(units) -> list[Unit]:
-    return [Unit(u.unit_id, tuple(Member(m.worker_id, m.layer_start, m.layer_end, m.transfer_address)
-                                     for m in u.members), u.kv_blocks) for u in units]
-
-
-def snapshot_to_pb(s: SeqSnapshot, unit_id: str, now: float) -> worker_pb2.SeqState:
-    r = s.request
-    return worker_pb2.SeqState(
-        request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids), generated_token_ids=s.generated,
-        num_computed=s.num_computed, sampling=sampling_to_pb(r.sampling), generator_state=s.generator_state,
-        num_preemptions=s.num_preemptions, age_s=max(0.0, now - r.arrival_time), old_blocks=s.blocks,
-        old_unit=unit_id)
-
-
-def snapshot_from_pb(m: worker_pb2.SeqState, now: float) -> SeqSnapshot:
-    req = EngineRequest(m.request_id, list(m.prompt_token_ids), sampling_from_pb(m.sampling), now - m.age_s)
-    return SeqSnapshot(req, list(m.generated_token_ids), m.num_computed, list(m.new_blocks),
-                       bytes(m.generator_state), m.num_preemptions)
 
 
 @dataclass

@@ -118,3 +118,15 @@ class EngineStats:
     # Queue time: arrival (the engine's time.monotonic()) of the oldest waiting request that has not started
     # yet; None when none waits. An arrival, not an age, so a cached snapshot still gives the right age later.
     oldest_waiting_arrival: float | None = None
+
+
+@dataclass
+class SeqSnapshot:
+    """A request's engine state, for moving it to another unit's head (layout transitions)."""
+
+    request: EngineRequest
+    generated: list[int]
+    num_computed: int
+    blocks: list[int]
+    generator_state: bytes = b""
+    num_preemptions: int = 0

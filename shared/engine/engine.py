@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import collections
 import random
-from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 import torch
 
 from kunserve.shared.engine.accounting import BusyIdle, BusyIdleClock
-from kunserve.shared.engine.api import EngineRequest, EngineStats, FinishReason, InvalidRequest, TokenEvent
+from kunserve.shared.engine.api import EngineRequest, EngineStats, FinishReason, InvalidRequest, SeqSnapshot, TokenEvent
 from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable, blocks_needed
 from kunserve.shared.engine.kv_storage import KVStorage, TorchKVStorage
 from kunserve.shared.engine.model_runner import ModelRunner
@@ -32,7 +31,7 @@ from kunserve.shared.policy.batch_scheduler import ScheduledChunk, Scheduler, Sc
 from kunserve.shared.model.config import ModelConfig
 from kunserve.shared.model.weights import Weights
 
-__all__ = ["Engine", "SchedulerConfig", "PipelineLink", "GroupBroken", "NotServing", "SeqSnapshot"]
+__all__ = ["Engine", "SchedulerConfig", "PipelineLink", "GroupBroken", "NotServing"]
 
 
 class GroupBroken(RuntimeError):
@@ -57,18 +56,6 @@ class PipelineLink(Protocol):
     def result(self, mb_id: int, block: bool) -> torch.Tensor | None:
         """Logits of batch mb_id from the last stage; None when not there yet and not block. Raises
         GroupBroken when a stage is lost or the wait times out."""
-
-
-@dataclass
-class SeqSnapshot:
-    """A request's engine state, for moving it to another unit's head (layout transitions)."""
-
-    request: EngineRequest
-    generated: list[int]
-    num_computed: int
-    blocks: list[int]
-    generator_state: bytes = b""
-    num_preemptions: int = 0
 
 
 class Engine:

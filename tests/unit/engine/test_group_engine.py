@@ -20,7 +20,8 @@ import torch
 from engine_testing import one_torch_thread, weights_for  # noqa: F401 - fixture
 from kunserve.shared.engine import stage_wire
 from kunserve.shared.engine.api import EngineRequest, FinishReason, SamplingParams, TokenEvent
-from kunserve.shared.engine.engine import Engine, GroupBroken, NotServing, SchedulerConfig, SeqSnapshot
+from kunserve.shared.engine.api import SeqSnapshot
+from kunserve.shared.engine.engine import Engine, GroupBroken, NotServing, SchedulerConfig
 from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable
 from kunserve.shared.engine.kv_storage import TorchKVStorage
 from kunserve.shared.engine.model_runner import ModelRunner
