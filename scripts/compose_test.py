@@ -19,7 +19,7 @@ Not part of `make test`: it needs Docker (and root to start a private daemon). W
 
 Every wait is bounded. Exit status 0 only when everything passed.
 Environment: KUNSERVE_COMPOSE_TEST_NO_APT=1 never apt-get installs missing tools;
-DEBIAN_MIRROR (default http://deb.debian.org/debian) for the stand-in base image.
+DEBIAN_MIRROR for the stand-in base image (default: the Debian mirror this machine's own apt uses).
 """
 
 from __future__ import annotations
@@ -277,12 +277,35 @@ def ensure_base_image(d: Daemon, image: str) -> None:
          str(tarball), image], timeout=300, env=d.env)
 
 
+def apt_debian_mirror(apt_dir: pathlib.Path = pathlib.Path("/etc/apt")) -> str:
+    """The Debian archive this machine's apt is configured with (deb822 ``*.sources`` or one-line
+    ``sources.list``): a machine that can only reach its own mirror builds the stand-in image from it."""
+    candidates: list[str] = []
+    for f in sorted((apt_dir / "sources.list.d").glob("*.sources")):
+        for stanza in f.read_text().split("\n\n"):
+            fields = dict(line.split(":", 1) for line in stanza.splitlines()
+                          if ":" in line and not line.startswith(("#", " ")))
+            suites = fields.get("Suites", "").split()
+            if fields.get("Types", "").split().count("deb") and any(not x.endswith("-security") for x in suites):
+                candidates.extend(fields.get("URIs", "").split())
+    for f in [apt_dir / "sources.list", *sorted((apt_dir / "sources.list.d").glob("*.list"))]:
+        if f.is_file():
+            for line in f.read_text().splitlines():
+                parts = [x for x in line.split() if not x.startswith("[")] if line.startswith("deb ") else []
+                if len(parts) >= 3 and not parts[2].endswith("-security"):
+                    candidates.append(parts[1])
+    for uri in candidates:
+        if uri.startswith(("http://", "https://")):
+            return uri
+    raise SystemExit(f"no Debian mirror in {apt_dir}/sources.list(.d): set DEBIAN_MIRROR")
+
+
 def build_standin_rootfs(tarball: pathlib.Path) -> None:
     debootstrap = shutil.which("debootstrap")
     if debootstrap is None:
         apt_install(["debootstrap"])
         debootstrap = shutil.which("debootstrap") or "/usr/sbin/debootstrap"
-    mirror = os.environ.get("DEBIAN_MIRROR", "http://deb.debian.org/debian")
+    mirror = os.environ.get("DEBIAN_MIRROR") or apt_debian_mirror()
     with tempfile.TemporaryDirectory(prefix="kct-rootfs-", dir=CACHE) as tmp:
         rootfs = pathlib.Path(tmp) / "rootfs"
         run([debootstrap, "--variant=minbase",

@@ -142,7 +142,10 @@ def load_tls(security: SecuritySection) -> TLS | None:
         except OSError as exc:
             raise CredentialError(f"security.{key}: cannot read {path}: {exc.strerror or exc}") from None
 
-    return TLS(cert_chain=read("tls_cert_file"), private_key=read("tls_key_file"), root_certs=read("tls_ca_file"),
+    cert_chain, private_key = read("tls_cert_file"), read("tls_key_file")
+    if cert_chain is None or private_key is None:
+        raise CredentialError("security.tls_cert_file is set, so security.tls_key_file must be too")
+    return TLS(cert_chain=cert_chain, private_key=private_key, root_certs=read("tls_ca_file"),
                client_cert_chain=read("tls_client_cert_file"), client_private_key=read("tls_client_key_file"))
 
 

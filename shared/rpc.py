@@ -19,7 +19,7 @@ import hmac
 import inspect
 import signal
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -383,7 +383,7 @@ async def _follow_liveness(alive: Callable[[], bool], health_servicer: health.ai
                 await health_servicer.set(service, status)
 
 
-def run(main: Callable[[], Awaitable[None]]) -> None:
+def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Run a service's async main on uvloop (falls back to asyncio where uvloop is missing)."""
     try:
         import uvloop

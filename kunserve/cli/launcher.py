@@ -79,7 +79,11 @@ class Child:
     address: str
     argv: list[str]
     log_path: pathlib.Path
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    def exit_code(self) -> int | None:
+        """The exit status once the process has ended; None while it runs or before it was started."""
+        return None if self.proc is None else self.proc.poll()
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -98,8 +102,11 @@ class LocalCluster:
     def __init__(self, cfg: ClusterConfig, run_dir: str | os.PathLike[str] | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.cfg = cfg
-        self._tmp = None if run_dir else tempfile.TemporaryDirectory(prefix="kunserve-")
-        self.run_dir = pathlib.Path(run_dir or self._tmp.name)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if not run_dir:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kunserve-")
+            run_dir = self._tmp.name
+        self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.run_dir / "cluster.toml"
         self.env = {**os.environ, **(env or {})}
@@ -182,7 +189,7 @@ class LocalCluster:
         pending = {c.name: c for c in self.children}
         while pending:
             for c in list(pending.values()):
-                code = c.proc.poll()
+                code = c.exit_code()
                 if code is not None:
                     raise ClusterStartError(f"{c.name} exited with code {code} while starting; "
                                             f"last lines of {c.log_path}:\n{c.log_tail()}")
@@ -200,7 +207,7 @@ class LocalCluster:
             await asyncio.sleep(0.2)
 
     def dead_children(self) -> list[Child]:
-        return [c for c in self.children if c.proc is not None and c.proc.poll() is not None]
+        return [c for c in self.children if c.exit_code() is not None]
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Fault injection for tests: signal one service process."""
@@ -232,8 +239,8 @@ class LocalCluster:
         self.spawn(name)
         deadline = time.monotonic() + timeout_s
         while not asyncio.run(health_check(c.address, timeout=0.5, tls=self.tls)):
-            if c.proc.poll() is not None:
-                raise ClusterStartError(f"{name} exited with code {c.proc.returncode} after a restart; "
+            if (code := c.exit_code()) is not None:
+                raise ClusterStartError(f"{name} exited with code {code} after a restart; "
                                         f"last lines of {c.log_path}:\n{c.log_tail()}")
             if time.monotonic() > deadline:
                 raise ClusterStartError(f"{name} not healthy {timeout_s:.0f}s after a restart")

@@ -100,7 +100,7 @@ def cmd_up(args: argparse.Namespace) -> None:
             for c in cluster.dead_children():
                 if c.name not in reported:
                     reported.add(c.name)
-                    console.print(f"[red]{c.name} exited with code {c.proc.returncode}[/] (not restarted: "
+                    console.print(f"[red]{c.name} exited with code {c.exit_code()}[/] (not restarted: "
                                   f"--no-restart); last log lines:\n{c.log_tail(10)}")
     else:
         cluster.supervise(report=lambda line: console.print(f"[yellow]supervisor[/]: {line}"))

@@ -156,6 +156,7 @@ class TorchPagedAttention:
 
     def _decode(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         B = q.shape[0]
+        assert meta.decode_block_tables is not None and meta.decode_mask is not None, "a step without decodes"
         kv = self.gather(cache, meta.decode_block_tables)  # [2, KVH, B, L, d]
         keys, values = kv[0], kv[1]
         # queries grouped per KV head: [KVH, B, G, d]; GQA without copying K/V per query head
@@ -201,13 +202,14 @@ class FlashInferPagedAttention(TorchPagedAttention):  # pragma: no cover - needs
 
     def _plan(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> None:
         bs = cache.shape[3]
-        lens = meta.decode_context_lens
+        lens, tables = meta.decode_context_lens, meta.decode_block_tables
+        assert lens is not None and tables is not None, "a step without decodes"
         nblocks = (lens + bs - 1) // bs
         indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device=q.device)
         indptr[1:] = torch.cumsum(nblocks, 0)
-        width = meta.decode_block_tables.shape[1]
+        width = tables.shape[1]
         valid = torch.arange(width, device=q.device)[None, :] < nblocks[:, None]
-        indices = meta.decode_block_tables[valid].int()  # row-major: each sequence's blocks in order
+        indices = tables[valid].int()  # row-major: each sequence's blocks in order
         last = (lens - (nblocks - 1) * bs).int()
         self._decode_wrapper.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, bs,
                                   pos_encoding_mode="NONE", q_data_type=q.dtype, kv_data_type=cache.dtype)

@@ -7,6 +7,8 @@ matmuls at load time (fewer, larger ops matter on a 2-core CPU).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -48,10 +50,16 @@ class _Linear:
         return F.linear(x, self.w, self.b)
 
 
+@dataclass(slots=True)
 class _Layer:
     """One decoder layer's weights, with q/k/v and gate/up fused into single matrices."""
 
-    __slots__ = ("qkv", "o", "gate_up", "down", "ln1", "ln2")
+    qkv: _Linear
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
+    ln1: torch.Tensor
+    ln2: torch.Tensor
 
 
 class ModelRunner:
@@ -91,7 +99,6 @@ class ModelRunner:
         self.layers: dict[int, _Layer] = {}
         for i in range(self.start, self.end):
             p = f"model.layers.{i}."
-            L = _Layer()
             if p + "self_attn.qkv_proj.weight" in weights:
                 # Already fused (the memory pool stores weights the way they are consumed): views, no copy.
                 qkv_w = w(p + "self_attn.qkv_proj.weight")
@@ -103,15 +110,13 @@ class ModelRunner:
                 qkv_w = torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
                                    w(p + "self_attn.v_proj.weight")], 0)
                 gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0)
-            L.qkv = _Linear(qkv_w, qkv_b, pack)
-            L.o = _Linear(w(p + "self_attn.o_proj.weight"), None, pack)
-            L.gate_up = _Linear(gate_up_w, None, pack)
-            L.down = _Linear(w(p + "mlp.down_proj.weight"), None, pack)
-            L.ln1 = w(p + "input_layernorm.weight")
-            L.ln2 = w(p + "post_attention_layernorm.weight")
-            self.layers[i] = L
-        self.embed = w("model.embed_tokens.weight") if self.is_first else None
-        self.norm = self.lm_head = None
+            self.layers[i] = _Layer(
+                qkv=_Linear(qkv_w, qkv_b, pack), o=_Linear(w(p + "self_attn.o_proj.weight"), None, pack),
+                gate_up=_Linear(gate_up_w, None, pack), down=_Linear(w(p + "mlp.down_proj.weight"), None, pack),
+                ln1=w(p + "input_layernorm.weight"), ln2=w(p + "post_attention_layernorm.weight"))
+        self.embed: torch.Tensor | None = w("model.embed_tokens.weight") if self.is_first else None
+        self.norm: torch.Tensor | None = None
+        self.lm_head: _Linear | None = None
         if self.is_last:
             self.norm = w("model.norm.weight")
             head = w("model.embed_tokens.weight") if self.cfg.tie_word_embeddings else w("lm_head.weight")
@@ -150,7 +155,11 @@ class ModelRunner:
         Returns logits [len(logits_rows), vocab] on the last stage, else hidden states [T, hidden]."""
         cfg = self.cfg
         T = positions.shape[0]
-        x = F.embedding(inputs, self.embed) if self.is_first else inputs.to(self.dtype)
+        if self.is_first:
+            assert self.embed is not None, "weights released"
+            x = F.embedding(inputs, self.embed)
+        else:
+            x = inputs.to(self.dtype)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         nh, nkvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -173,4 +182,5 @@ class ModelRunner:
             return x
         if logits_rows is not None:
             x = x[logits_rows]
+        assert self.lm_head is not None and self.norm is not None, "weights released"
         return self.lm_head(self._rms(x, self.norm)).float()

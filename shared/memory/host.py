@@ -71,7 +71,7 @@ def _os_error(what: str) -> OSError:
 
 
 @functools.lru_cache(maxsize=512)
-def _buffer_type(nbytes: int) -> type:
+def _buffer_type(nbytes: int) -> type[ctypes.Array[ctypes.c_ubyte]]:
     """A ctypes byte-array type of `nbytes` that accepts attributes (to hold the pool) and weakrefs."""
     return type(f"PoolView{nbytes}", (ctypes.c_ubyte * nbytes,), {})
 
@@ -155,7 +155,7 @@ class HostPagePool(PagePool):
 
     def _raw_view(self, address: int, nbytes: int) -> tuple[torch.Tensor, Any]:
         buf = _buffer_type(nbytes).from_address(address)
-        buf._pool = self  # the mapping's owner lives as long as any tensor over it
+        setattr(buf, "_pool", self)  # noqa: B010 - the mapping's owner lives as long as any tensor over it
         return torch.frombuffer(buf, dtype=torch.uint8), buf
 
     def _discard(self, pages: Sequence[int]) -> None:

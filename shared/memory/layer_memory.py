@@ -744,8 +744,8 @@ class LayerMemoryLayout:
         P = self.pool.page_size
         owner_of: list[str] = []
         for p in range(self.pool.num_pages):
-            o = self.pool.page_owner(p)
-            owner_of.append("free" if o is None else o[0].tag)
+            slot = self.pool.page_owner(p)
+            owner_of.append("free" if slot is None else slot[0].tag)
         runs: list[list[Any]] = []
         for p, o in enumerate(owner_of):
             if runs and runs[-1][2] == o and runs[-1][0] + runs[-1][1] == p:

@@ -183,9 +183,6 @@ class PagePool(ABC):
     def nbytes(self) -> int:
         return self.num_pages * self.page_size
 
-    def free_page_ids(self) -> list[int]:
-        return sorted(self._free)
-
     def take_free(self, n: int) -> list[int]:
         """Pick the `n` lowest-numbered free pages (they stay free until `map`ped).
 

@@ -35,7 +35,8 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 Chunk = tuple[int, int]  # (tokens to compute c, prefix tokens already cached p)
 
@@ -130,7 +131,7 @@ class KunServeCostModel:
         return {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma, "lambda": self.lam}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KunServeCostModel":
+    def from_dict(cls, d: dict[str, Any]) -> "KunServeCostModel":
         return cls(float(d["alpha"]), float(d["beta"]), float(d["gamma"]), float(d.get("lambda", 0.0)))
 
 
@@ -172,7 +173,7 @@ class ConServeLatencyModel:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ConServeLatencyModel":
+    def from_dict(cls, d: dict[str, Any]) -> "ConServeLatencyModel":
         return cls(*(float(d.get(k, 0.0)) for k in ("k1", "k2", "k3", "k4", "k5")))
 
 
@@ -189,11 +190,11 @@ class Sample:
     def shape(self) -> BatchShape:
         return BatchShape.of(self.chunks)
 
-    def to_json(self) -> list:
+    def to_json(self) -> list[Any]:
         return [self.phase, [list(c) for c in self.chunks], self.seconds]
 
     @classmethod
-    def from_json(cls, v: list) -> "Sample":
+    def from_json(cls, v: list[Any]) -> "Sample":
         phase, chunks, seconds = v
         return cls(str(phase), tuple((int(c), int(p)) for c, p in chunks), float(seconds))
 
@@ -224,10 +225,10 @@ def nnls(rows: Sequence[Sequence[float]], target: Sequence[float]) -> list[float
                 best_res = res
                 best = np.zeros(k)
                 best[cols] = x
-    return (best / norms).tolist()
+    return [float(x) for x in best / norms]
 
 
-def _fit_relative(feature_fn, samples: Sequence[Sample]) -> list[float]:
+def _fit_relative(feature_fn: Callable[[BatchShape], list[float]], samples: Sequence[Sample]) -> list[float]:
     rows, target = [], []
     for s in samples:
         if s.seconds <= 0:
@@ -253,11 +254,11 @@ class ErrorStats:
     points: int
     per_phase: dict[str, dict[str, float]] = field(default_factory=dict)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def relative_errors(model, samples: Sequence[Sample]) -> ErrorStats:
+def relative_errors(model: KunServeCostModel | ConServeLatencyModel, samples: Sequence[Sample]) -> ErrorStats:
     """|predicted - measured| / measured over samples, overall and per phase."""
     errs: dict[str, list[float]] = {}
     allv: list[float] = []
@@ -280,7 +281,8 @@ def split_holdout(samples: Sequence[Sample], every: int = 4, seed: int = 0) -> t
     by_phase: dict[str, list[Sample]] = {}
     for s in samples:
         by_phase.setdefault(s.phase, []).append(s)
-    train, held = [], []
+    train: list[Sample] = []
+    held: list[Sample] = []
     for phase in sorted(by_phase):
         group = list(by_phase[phase])
         rng.shuffle(group)

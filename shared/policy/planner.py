@@ -198,7 +198,7 @@ def plan_drop(groups: Sequence[Unit], model: ModelCost, required_bytes: int | No
     """KunServe Fig. 6. R in bytes, or in whole-model KV blocks (converted with ``model.block_bytes``)."""
     if (required_bytes is None) == (required_blocks is None):
         raise ValueError("give exactly one of required_bytes and required_blocks")
-    r = required_bytes if required_bytes is not None else model.blocks_to_bytes(required_blocks)
+    r = required_bytes if required_bytes is not None else model.blocks_to_bytes(required_blocks or 0)
     if r < 0:
         raise ValueError("the requirement must be >= 0")
     ids = [g.unit_id for g in groups]
@@ -214,7 +214,8 @@ def plan_drop(groups: Sequence[Unit], model: ModelCost, required_bytes: int | No
     limit = model.num_layers if max_group_size is None else min(max_group_size, model.num_layers)
 
     # heap entries: (size, group id, instances, ids of the original groups merged into it)
-    heap = [(g.size, g.unit_id, g.members, (g.unit_id,)) for g in groups]
+    heap: list[tuple[int, str, tuple[Member, ...], tuple[str, ...]]] = [
+        (g.size, g.unit_id, g.members, (g.unit_id,)) for g in groups]
     heapq.heapify(heap)
     freed, merges = 0, []
     while len(heap) >= 2 and freed < r:

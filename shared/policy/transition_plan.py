@@ -130,7 +130,7 @@ def assign_tables(moves: Sequence[SeqMove], new_units: Sequence[Unit],
         if m.request_id in kept:
             out.append(SeqMove(m.request_id, m.old_unit, m.new_unit, m.old_blocks, m.old_blocks))
             continue
-        ids = []
+        ids: list[int] = []
         t = taken[m.new_unit]
         c = cursor[m.new_unit]
         while len(ids) < len(m.old_blocks):

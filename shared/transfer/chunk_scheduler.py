@@ -155,11 +155,6 @@ class PriorityScheduler:
         self.sizer.observe(chunk.nbytes, seconds, chunk.requested)
         return chunk.last
 
-    def abort_in_flight(self) -> Chunk | None:
-        """Forget the chunk in flight (its send failed); returns it."""
-        chunk, self._in_flight = self._in_flight, None
-        return chunk
-
     def remove(self, msg: OutgoingMessage) -> bool:
         """Drop a message that has not started; a started one cannot be withdrawn mid-way."""
         if msg.chunks_issued:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Coroutine, Protocol
 
 import numpy as np
 
@@ -35,7 +35,7 @@ class Endpoint(Protocol):
     async def close(self) -> None: ...
 
 
-AcceptCallback = Callable[[Endpoint], Awaitable[None]]
+AcceptCallback = Callable[[Endpoint], Coroutine[Any, Any, None]]
 
 
 class Transport(Protocol):
@@ -90,8 +90,10 @@ class MemoryEndpoint:
             await asyncio.sleep(delay)
             self._check()
             self.sent_log.append((tag, len(data)))
-            self.peer._inbox[tag].append(data)
-            self.peer._arrived[tag].set()
+            peer = self.peer
+            assert peer is not None, "_check() passed, so the pair is connected"
+            peer._inbox[tag].append(data)
+            peer._arrived[tag].set()
 
     async def recv(self, buf: Any, tag: int) -> None:
         while not self._inbox[tag]:

@@ -40,7 +40,7 @@ import itertools
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, cast
 
 import numpy as np
 import torch
@@ -144,8 +144,8 @@ class SendHandle:
             while self.chunks_done < n and not self.done.done():
                 self._progress.clear()
                 await self._progress.wait()
-        if self.done.done() and self.done.exception() is not None:
-            raise self.done.exception()
+        if self.done.done() and (exc := self.done.exception()) is not None:
+            raise exc
 
     def _chunk_done(self) -> None:
         self.chunks_done += 1
@@ -445,7 +445,7 @@ class TransferService:
         payload = byte_view(data)
         mid = next(self._ids)
         header = transfer_pb2.TransferHeader(
-            kind=kind, message_id=mid, total_bytes=nbytes, dtype=dtype, shape=shape,
+            kind=cast("transfer_pb2.TransferKind", kind), message_id=mid, total_bytes=nbytes, dtype=dtype, shape=shape,
             request_ids=[str(r) for r in request_ids], layer_start=layer_start, layer_end=layer_end, epoch=epoch,
             name=name, source=self.name)
         encode_frame(header)  # fail now, in the caller, if the metadata does not fit a frame
@@ -497,7 +497,7 @@ class TransferService:
                     h = transfer_pb2.TransferHeader()
                     h.CopyFrom(template)
                 else:
-                    h = transfer_pb2.TransferHeader(kind=msg.kind, message_id=msg.message_id,
+                    h = transfer_pb2.TransferHeader(kind=cast("transfer_pb2.TransferKind", msg.kind), message_id=msg.message_id,
                                                     total_bytes=msg.total_bytes)
                 h.chunk_index, h.chunk_count = chunk.index, chunk.count
                 h.offset, h.chunk_bytes = chunk.offset, chunk.nbytes
@@ -546,9 +546,10 @@ class TransferService:
                     state = _Inbound(h, data, byte_view(data))
                     inbound[h.message_id] = state
                 else:
-                    state = inbound.get(h.message_id)
-                    if state is None or h.kind != state.header.kind:
+                    known = inbound.get(h.message_id)
+                    if known is None or h.kind != known.header.kind:
                         raise FramingError(f"chunk {h.chunk_index} of unknown message {h.message_id}")
+                    state = known
                 total = state.header.total_bytes
                 validate_chunk(h, total, state.received)
                 if h.chunk_bytes == 0 and total > 0:

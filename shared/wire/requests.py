@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from kunserve.shared.engine.api import EngineStats, FinishReason, SamplingParams
 from kunserve.v1 import common_pb2
@@ -16,17 +17,12 @@ _FINISH_TO_PB = {
     FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
     FinishReason.ABORTED: common_pb2.FINISH_REASON_ABORTED,
 }
-_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 FINISH_NAMES = {v: k.value for k, v in _FINISH_TO_PB.items()}
 
 
 def finish_to_pb(reason: FinishReason) -> int:
     # LOST never reaches a client: the worker ends such a stream with UNAVAILABLE (the dispatcher resumes it)
     return _FINISH_TO_PB.get(reason, common_pb2.FINISH_REASON_ABORTED)
-
-
-def finish_from_pb(value: int) -> FinishReason:
-    return _FINISH_FROM_PB.get(value, FinishReason.NONE)
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -59,7 +55,7 @@ def busy_idle_fields(b) -> dict[str, float]:
             "bubble_ratio": b.bubble_ratio}
 
 
-def stats_to_pb(s: EngineStats, now: float | None = None, **extra: object) -> common_pb2.WorkerStats:
+def stats_to_pb(s: EngineStats, now: float | None = None, **extra: Any) -> common_pb2.WorkerStats:
     """`now`: the engine's clock (time.monotonic()) at which the oldest waiting request's age is taken; the
     default is the current time, so a snapshot the engine cached an iteration ago still reports the age now."""
     if s.oldest_waiting_arrival is None:

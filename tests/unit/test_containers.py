@@ -429,3 +429,20 @@ def test_compose_test_harness_runs_the_default_services():
     spec.loader.exec_module(mod)  # importing runs nothing
     assert set(mod.SERVICES) == set(DEFAULT_SERVICES)
     assert mod.base_images() == ["python:3.11-slim"]
+
+
+def test_compose_test_takes_the_debian_mirror_from_apt(tmp_path):
+    spec = importlib.util.spec_from_file_location("kunserve_compose_test", ROOT / "scripts" / "compose_test.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\n# a comment\nURIs: http://mirror.example/debian-security\nSuites: bookworm-security\n\n"
+        "Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm bookworm-updates\nComponents: main\n")
+    assert mod.apt_debian_mirror(tmp_path) == "http://mirror.example/debian"
+    (tmp_path / "sources.list.d" / "debian.sources").unlink()
+    (tmp_path / "sources.list").write_text("deb [arch=amd64] http://old.example/debian bookworm main\n")
+    assert mod.apt_debian_mirror(tmp_path) == "http://old.example/debian"
+    (tmp_path / "sources.list").unlink()
+    with pytest.raises(SystemExit, match="DEBIAN_MIRROR"):
+        mod.apt_debian_mirror(tmp_path)
