@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kunserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo up test test-fast protos bench clean
+.PHONY: setup demo up test lint protos bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "KunServe needs Python >= 3.11")'
@@ -25,9 +25,14 @@ demo: $(STAMP)
 up: $(STAMP)
 	$(BIN)/kunserve up
 
-## The whole test suite (what CI runs).
-test: $(STAMP)
+## The whole test suite (what CI runs): the lint and type gates, then every test.
+test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+## ruff (style, likely bugs, import order) and mypy (strict on shared/policy/, normal elsewhere).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python scripts/typecheck.py
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
@@ -36,7 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/engine.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache build *.egg-info
 
 ## Containers for real (not part of `make test`): build the images, compose up, stream a generation and check
 ## it against the reference engine, compose down. Needs Docker, or root to start a private dockerd.
