@@ -15,6 +15,8 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from kunserve.shared.policy.overload_policies import OVERLOAD_POLICIES
+
 ENV_PREFIX = "KUNSERVE__"
 CONFIG_ENV = "KUNSERVE_CONFIG"  # path of the config file when --config is not given
 
@@ -117,18 +119,10 @@ class MonitorSection(ServiceSection):
     restore_cooldown_s: float = 30.0  # no restore this soon after a drop
 
 
-OVERLOAD_POLICIES = ("kunserve", "recompute", "swap", "migrate", "static-pp", "queue")
-
-
 @dataclass
 class PolicySection:
-    # How the cluster handles KV-memory overload (the headline comparison of `kunserve bench compare`):
-    #   kunserve  - parameter-centric: drop replicated layers into pipeline groups, restore after (KunServe)
-    #   recompute - vLLM's default: preempt the newest request, free its KV, re-prefill it later
-    #   swap      - InferCept-like: preempted requests' KV goes to host memory and comes back
-    #   migrate   - Llumnix-like: move running requests' KV from an overloaded instance to the freest one
-    #   static-pp - every instance holds half the layers from the start, pipelined in pairs
-    #   queue     - no preemption: a request starts only when its whole KV (prompt + max_tokens) fits
+    # How the cluster handles KV-memory overload: one of OVERLOAD_POLICIES, each described (and decoded for
+    # every component) in kunserve.shared.policy.overload_policies.
     overload: str = "kunserve"
 
 
@@ -317,8 +311,9 @@ def validate(cfg: ClusterConfig) -> None:
                       ("monitor", cfg.monitor)] + [(f"workers[{i}]", w) for i, w in enumerate(cfg.workers)]:
         if not (0 <= svc.port < 65536):
             raise ConfigError(f"{src}: {name}.port must be in [0, 65535], got {svc.port}")
-        if not (0 <= getattr(svc, "transfer_port", 0) < 65536):
-            raise ConfigError(f"{src}: {name}.transfer_port must be in [0, 65535], got {svc.transfer_port}")
+        transfer_port = getattr(svc, "transfer_port", 0)
+        if not (0 <= transfer_port < 65536):
+            raise ConfigError(f"{src}: {name}.transfer_port must be in [0, 65535], got {transfer_port}")
     e = cfg.engine
     for key in ("block_size", "pool_mib", "page_kib", "max_num_batched_tokens", "max_num_seqs"):
         if getattr(e, key) <= 0:

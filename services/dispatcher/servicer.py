@@ -31,13 +31,14 @@ from dataclasses import dataclass, field
 import grpc
 
 from kunserve.services.dispatcher.limits import DispatcherLimits
-from kunserve.shared.policy.admission import Admission, Refusal
 from kunserve.shared.config import ClusterConfig
-from kunserve.shared.wire.requests import sampling_from_pb
-from kunserve.shared.policy.liveness import Liveness
 from kunserve.shared.log import get_logger
-from kunserve.shared.policy.router import FreenessRouter, InstanceLoad, serving_from_stats
+from kunserve.shared.policy.admission import Admission, Refusal
+from kunserve.shared.policy.liveness import Liveness
+from kunserve.shared.policy.router import FreenessRouter, RoutingLoad
 from kunserve.shared.rpc import WORKER_END, channel
+from kunserve.shared.wire.cluster import report_from_pb
+from kunserve.shared.wire.requests import sampling_from_pb
 from kunserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 MAX_REQUEST_ID_LEN = 256
@@ -126,7 +127,7 @@ class WorkerPool:
     async def poll_one(self, wid: str, timeout: float = POLL_TIMEOUT_S) -> None:
         sent = time.monotonic()
         try:
-            s = await self.stubs[wid].GetStats(common_pb2.Empty(), timeout=timeout)
+            s = report_from_pb(await self.stubs[wid].GetStats(common_pb2.Empty(), timeout=timeout))
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 self.mark(wid, False)
@@ -143,8 +144,7 @@ class WorkerPool:
         if wid in self._slow:
             self._slow.discard(wid)
             self.log.info("worker_poll_answers_again", worker=wid)
-        serving = serving_from_stats(s.serving, s.group_id, s.transitioning, s.layer_start, s.layer_end,
-                                     s.num_layers_model)
+        serving = s.routable
         self.liveness.answered(wid, time.monotonic(), work=(s.num_running + s.num_waiting) if serving else 0,
                                # busy seconds move during a long prefill too (a chunk computes for a while
                                # before any token counter does); a hung iteration is the worker's own
@@ -152,8 +152,8 @@ class WorkerPool:
                                progress=(s.prompt_tokens_total, s.generated_tokens_total, s.busy_seconds_total),
                                transitioning=s.transitioning)
         alive = not self.liveness.stuck(wid)  # an engine that stalled stays out until it progresses again
-        self.router.update(InstanceLoad(wid, s.kv_blocks_total, s.kv_blocks_used, s.queued_demand_blocks,
-                                        s.block_size or 16, alive, sent, serving=serving))
+        self.router.update(RoutingLoad(wid, s.kv_blocks_total, s.kv_blocks_used, s.queued_demand_blocks,
+                                       s.block_size or 16, alive, sent, serving=serving))
         self.mark(wid, alive)
 
     async def refresh_one(self, wid: str, timeout: float = POLL_TIMEOUT_S) -> None:
@@ -214,9 +214,9 @@ class WorkerPool:
         worker in the middle of a drop serves again in a moment; a dead or stalled one does not count. A
         group's KV is its head's (the members share one block-id space), so a drop does not shrink the token
         bound; while no unit is routable (every worker mid-transition) the last capacity seen stands."""
-        insts = self.router.instances
-        live = sum(1 for i in insts.values() if i.healthy)
-        tokens = sum(insts[i].kv_blocks_total * insts[i].block_size for i in insts if self.router.routable(i))
+        loads = self.router.workers
+        live = sum(1 for w in loads.values() if w.healthy)
+        tokens = sum(w.kv_blocks_total * w.block_size for wid, w in loads.items() if self.router.routable(wid))
         if tokens:
             self._kv_tokens_seen = tokens
         return live, tokens or self._kv_tokens_seen
@@ -356,7 +356,8 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             return ""
         return self.tokenizer.decode_token(previous, token_id)
 
-    def _final_event(self, record: RequestRecord, finish_reason: int) -> generation_pb2.GenerateEvent:
+    def _final_event(self, record: RequestRecord,
+                     finish_reason: common_pb2.FinishReason) -> generation_pb2.GenerateEvent:
         """A tokenless last event the dispatcher makes itself (cancelled while not on a worker)."""
         now = time.monotonic()
         record.finished = True
@@ -369,7 +370,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
     async def _pause(record: RequestRecord, seconds: float) -> None:
         try:
             await asyncio.wait_for(record.wake.wait(), seconds)
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             pass
 
     # -- RPCs ---------------------------------------------------------------------------------------
@@ -452,9 +453,10 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                 if remaining <= 0:  # every token was emitted but the finish event was lost with the worker
                     yield self._final_event(record, common_pb2.FINISH_REASON_LENGTH)
                     return
-                wid = await self._route(record, dead, failures, context)
-                if wid is None:
+                routed = await self._route(record, dead, failures, context)
+                if routed is None:
                     continue  # cancelled or shutting down while waiting: the loop top answers
+                wid = routed
                 wreq = self._worker_request(record, remaining)
                 attach = False
             record.worker_id = wid
@@ -503,7 +505,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         if seg.stalled:
             details = seg.stalled
         else:
-            details = (exc.details() or code.name) if exc is not None else "the stream ended without a finish event"
+            details = (exc.details() or exc.code().name) if exc is not None else "the stream ended without a finish event"
         if seg.attach and seg.received == 0:
             # The attach did not take (the new head does not know the request, died, or refuses):
             # fall back to a resume by re-prefill. Make sure a half-alive copy there is dropped first
@@ -591,10 +593,10 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
     def _no_route_message(self, record: RequestRecord, dead: set[str], failures: list[str]) -> str:
         states = []
         for wid in sorted(self.pool.stubs):
-            inst = self.pool.router.instances.get(wid)
+            load = self.pool.router.workers.get(wid)
             if wid in dead:
                 state = "failed"
-            elif inst is None or not inst.healthy:
+            elif load is None or not load.healthy:
                 state = "unreachable"
             else:
                 state = "not serving"

@@ -8,6 +8,7 @@ from kunserve.services.common import load_service_config, load_service_credentia
 from kunserve.services.memory_manager.servicer import AdminServicer, MemoryManager, MemoryManagerServicer
 from kunserve.shared import rpc
 from kunserve.shared.credentials import memory_manager_rules
+from kunserve.shared.policy.overload_policies import overload_handling
 from kunserve.v1 import admin_pb2_grpc, memory_manager_pb2_grpc
 
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
 
         async def started() -> None:
             tasks.append(asyncio.create_task(mm.refresh_forever()))
-            if cfg.policy.overload == "static-pp":
+            if overload_handling(cfg.policy.overload).static_pairs:
                 # The static pipeline-parallel baseline: pairs hold half the layers each from the start.
                 # Formed before this service reports SERVING, so a started cluster is already in that layout.
                 await mm.orchestrator.form_static_pairs(timeout_s=cfg.memory_manager.transition_timeout_s)

@@ -52,6 +52,8 @@ class LayoutEpoch(Protocol):
 
     epoch: int
 
+    def committed(self, epoch: int) -> int: ...
+
 
 class ClusterAccess(Protocol):
     """What the orchestrator needs from the memory manager (``servicer.MemoryManager``; a fake in tests)."""
@@ -469,9 +471,7 @@ class Orchestrator:
         report.exchange_seconds = max(d.exchange_seconds for d in ok)
         report.remap_seconds = max(d.remap_seconds for d in ok)
         await self.cluster.refresh()
-        layout = self.cluster.layout
-        layout.epoch = max(layout.epoch, epoch)
-        report.epoch = layout.epoch
+        report.epoch = self.cluster.layout.committed(epoch)
         report.groups.extend(planned_to_pb(u) for u in new_units)
         report.total_seconds = time.perf_counter() - t0
         self.log.info("transition_done", op=op, epoch=epoch, requests=len(seqs), kv_bytes=report.kv_bytes_moved,

@@ -13,14 +13,13 @@ import grpc
 
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.epochs import MAX_EPOCH
-from kunserve.shared.policy.cluster_layout import LayoutState
 from kunserve.shared.log import get_logger
+from kunserve.shared.policy.cluster_layout import LayoutState
 from kunserve.shared.rpc import channel
+from kunserve.shared.wire.cluster import layout_entry_from_info, layout_to_pb
+from kunserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from .orchestrator import OrchestrationError, Orchestrator
-from kunserve.v1 import (admin_pb2, admin_pb2_grpc, common_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc, worker_pb2,
-                         worker_pb2_grpc)
-
 
 LINK_RETRY_S = 10.0  # how long a worker whose transfer links failed is left alone before it is asked again
 
@@ -59,8 +58,11 @@ class MemoryManager:
         return list(self._channels)
 
     def worker_stub(self, worker_id: str) -> worker_pb2_grpc.WorkerStub | None:
-        ch = self._channels.get(worker_id)
-        return worker_pb2_grpc.WorkerStub(ch) if ch is not None else None
+        """A stub for the worker; None when no such worker is configured."""
+        return self._stub(worker_id) if worker_id in self._channels else None
+
+    def _stub(self, worker_id: str) -> worker_pb2_grpc.WorkerStub:
+        return worker_pb2_grpc.WorkerStub(self._channels[worker_id])
 
     async def connected(self, worker_id: str, timeout: float) -> bool:
         """Wait (bounded) until the channel to a worker is connected. The layout refresh starts before the
@@ -69,14 +71,13 @@ class MemoryManager:
         try:
             await asyncio.wait_for(self._channels[worker_id].channel_ready(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def refresh(self, timeout: float = 1.0) -> None:
         async def one(worker_id: str) -> None:
-            stub = worker_pb2_grpc.WorkerStub(self._channels[worker_id])
             try:
-                info = await stub.GetInfo(common_pb2.Empty(), timeout=timeout)
+                info = await self._stub(worker_id).GetInfo(common_pb2.Empty(), timeout=timeout)
             except grpc.aio.AioRpcError:
                 self.layout.mark_unreachable(worker_id)
                 self._infos.pop(worker_id, None)
@@ -87,10 +88,7 @@ class MemoryManager:
                 return
             self._infos[worker_id] = info
             try:
-                if self.layout.observe(worker_id, info.address, info.layer_start, info.layer_end, info.num_layers_model,
-                                       group_id=info.group_id, transfer_address=info.transfer_address,
-                                       serving=info.serving, group_members=tuple(info.group_members),
-                                       epoch=info.epoch):
+                if self.layout.observe(layout_entry_from_info(info), info.num_layers_model):
                     self.log.info("layout_changed", worker=worker_id, layers=[info.layer_start, info.layer_end],
                                   group=info.group_id, epoch=self.layout.epoch)
             except ValueError as exc:
@@ -117,8 +115,8 @@ class MemoryManager:
             for worker_id, epoch in sorted(orphans.items()):
                 self.log.warning("orphaned_transition_aborting", worker=worker_id, epoch=epoch)
                 try:
-                    await self.worker_stub(worker_id).AbortTransition(worker_pb2.TransitionRef(epoch=epoch),
-                                                                      timeout=orchestrator.timeout_s)
+                    await self._stub(worker_id).AbortTransition(worker_pb2.TransitionRef(epoch=epoch),
+                                                                timeout=orchestrator.timeout_s)
                 except grpc.aio.AioRpcError as exc:
                     self.log.warning("orphaned_transition_abort_failed", worker=worker_id, epoch=epoch,
                                      code=exc.code().name, error=exc.details())
@@ -130,7 +128,7 @@ class MemoryManager:
             request = worker_pb2.PeerAddresses(peers=[worker_pb2.PeerAddress(worker_id=w, transfer_address=a)
                                                       for w, a in sorted(peers.items())])
             try:
-                reply = await self.worker_stub(worker_id).ConnectPeers(request, timeout=10.0)
+                reply = await self._stub(worker_id).ConnectPeers(request, timeout=10.0)
                 failed = dict(reply.failed)
             except grpc.aio.AioRpcError as exc:
                 failed = {"*": f"{exc.code().name}: {exc.details()}"}
@@ -160,7 +158,7 @@ class MemoryManagerServicer(memory_manager_pb2_grpc.MemoryManagerServicer):
         self.mm = mm
 
     async def GetLayout(self, request, context):
-        return self.mm.layout.to_pb()
+        return layout_to_pb(self.mm.layout)
 
     async def _orchestrate(self, context, coro):
         try:
@@ -204,7 +202,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.mm = mm
 
     async def GetStatus(self, request, context):
-        out = admin_pb2.AdminStatus(layout=self.mm.layout.to_pb())
+        out = admin_pb2.AdminStatus(layout=layout_to_pb(self.mm.layout))
         try:
             out.cluster.CopyFrom(await monitor_pb2_grpc.MonitorStub(self.mm.monitor_channel).GetClusterStatus(
                 common_pb2.Empty(), timeout=2.0, wait_for_ready=True))  # not fail-fast: see MemoryManager.connected
@@ -215,8 +213,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def _worker(self, worker_id: str, context) -> worker_pb2_grpc.WorkerStub:
         stub = self.mm.worker_stub(worker_id)
         if stub is None:
-            known = ", ".join(sorted(self.mm._channels)) or "none"
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"worker_id: no worker {worker_id!r} (known: {known})")
+            known = ", ".join(sorted(self.mm.worker_ids)) or "none"
+            return await context.abort(grpc.StatusCode.NOT_FOUND,
+                                       f"worker_id: no worker {worker_id!r} (known: {known})")
         if not await self.mm.connected(worker_id, self.CONNECT_TIMEOUT_S):
             address = next(w.address for w in self.mm.cfg.workers if w.id == worker_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {worker_id}: no connection to {address} "

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from kunserve.services.common import load_service_config, load_service_credentials, service_arg_parser
-from kunserve.services.monitor.servicer import (GrpcMemoryManager, MonitorServicer, OverloadController,
-                                                overload_config_from)
+from kunserve.services.monitor.servicer import GrpcMemoryManager, MonitorServicer, OverloadController, overload_config_from
 from kunserve.shared import rpc
 from kunserve.shared.credentials import internal_rules
+from kunserve.shared.policy.overload_policies import overload_handling
 from kunserve.v1 import monitor_pb2_grpc
 
 
@@ -21,14 +21,13 @@ def main(argv: list[str] | None = None) -> None:
         ttft_slo_s = cfg.slo.ttft_ms / 1000.0  # queue time beyond the TTFT SLO counts as overload
         servicer = MonitorServicer(stale_after_s=cfg.monitor.stale_after_s, max_head_wait_s=ttft_slo_s)
         controller: OverloadController | None = None
-        policy = cfg.policy.overload
-        if cfg.monitor.auto_drop and policy in ("kunserve", "migrate"):
+        action = overload_handling(cfg.policy.overload).monitor_action
+        if cfg.monitor.auto_drop and action is not None:
             controller = OverloadController(servicer.load, GrpcMemoryManager(cfg.memory_manager.address),
                                             overload_config_from(cfg.monitor, ttft_slo_s),
-                                            interval_s=cfg.monitor.policy_interval_s,
-                                            mode="migrate" if policy == "migrate" else "drop")
+                                            interval_s=cfg.monitor.policy_interval_s, mode=action)
         else:
-            log.info("auto_drop_disabled", policy=policy, auto_drop=cfg.monitor.auto_drop)
+            log.info("auto_drop_disabled", policy=cfg.policy.overload, auto_drop=cfg.monitor.auto_drop)
 
         def register(server) -> None:
             monitor_pb2_grpc.add_MonitorServicer_to_server(servicer, server)

@@ -12,11 +12,12 @@ from typing import Protocol
 
 import grpc
 
-from kunserve.shared.policy.cluster_load import ClusterLoad
 from kunserve.shared.log import get_logger
+from kunserve.shared.policy.cluster_load import ClusterLoad
 from kunserve.shared.policy.overload import DROP, NONE, RESTORE, Decision, OverloadConfig, OverloadPolicy
-from kunserve.shared.rpc import channel
 from kunserve.shared.policy.units import build_units
+from kunserve.shared.rpc import channel
+from kunserve.shared.wire.cluster import report_from_pb, status_to_pb
 from kunserve.v1 import common_pb2, memory_manager_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc
 
 
@@ -37,14 +38,14 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
             if worker_id is None:
                 worker_id = stats.worker_id
                 self.log.info("worker_stream_opened", worker=worker_id, address=stats.address)
-            self.load.observe(stats, time.monotonic())
+            self.load.observe(report_from_pb(stats), time.monotonic())
         self.log.info("worker_stream_closed", worker=worker_id)
         return common_pb2.Empty()
 
     async def GetClusterStatus(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext):
         # ClusterStatus has no fields for the policy's counters: they are in the monitor's log
         # (events policy_drop / policy_restore / policy_action_failed, each with the counters).
-        return self.load.status(time.monotonic(), time.time())
+        return status_to_pb(self.load.status(time.monotonic(), time.time()))
 
 
 # --- the overload policy loop -------------------------------------------------------------------------------
@@ -56,6 +57,8 @@ class MemoryManagerActions(Protocol):
     async def drop(self, required_blocks: int, reason: str) -> memory_manager_pb2.TransitionReport: ...
 
     async def restore(self, group_id: str) -> memory_manager_pb2.TransitionReport: ...
+
+    async def migrate(self, src: str, dst: str, blocks: int) -> memory_manager_pb2.TransitionReport: ...
 
     async def close(self) -> None: ...
 
@@ -113,7 +116,7 @@ def _describe_error(exc: BaseException) -> str:
 
 
 class OverloadController:
-    """Every ``interval_s``: units from the fresh stats -> OverloadPolicy.observe -> Drop / Restore.
+    """Every ``interval_s``: units from the fresh reports -> OverloadPolicy.observe -> Drop / Restore.
 
     One action at a time, awaited inline (the policy waits for it anyway). After an action that changed the
     layout, decisions wait until every fresh worker has reported again at the new epoch (or
@@ -194,7 +197,7 @@ class OverloadController:
             if not self.load.reported_since(changed_at, now, min_epoch, involved) and now < give_up_at:
                 return None
             self._settle = None
-        units = build_units(self.load.fresh_stats(now))
+        units = build_units(self.load.fresh_reports(now))
         if units.skipped != self._last_skipped:
             if units.skipped:
                 self.log.info("policy_units_skipped", skipped=units.skipped)

@@ -11,6 +11,7 @@ from kunserve.services.worker.servicer import WorkerIdentity
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
+from kunserve.shared.policy.overload_policies import overload_handling
 from kunserve.shared.policy.token_budget import SLOTokenBudget
 from kunserve.shared.policy.batch_scheduler import FixedTokenBudget, SchedulerConfig, TokenBudget
 from kunserve.shared.log import get_logger
@@ -33,9 +34,9 @@ def memory_backend(setting: str, device: str) -> str:
 
 
 def preemption_mode(policy: str) -> str:
-    """How a worker's scheduler preempts under each overload policy: swap and queue have their own;
-    the others recompute (KunServe too, inside a unit, for what a drop cannot cover)."""
-    return {"swap": "swap", "queue": "none"}.get(policy, "recompute")
+    """How a worker's scheduler preempts under an overload policy (KunServe too recomputes, inside a unit,
+    what a drop cannot cover)."""
+    return overload_handling(policy).preemption
 
 
 def make_token_budget(cfg: ClusterConfig, *, model: str, dtype: str, layers: tuple[int, int], device: str,

@@ -160,6 +160,14 @@ class Scheduler:
         self.swapper: Swapper | None = None  # set by the engine for preemption = "swap"
         self.num_swapped_out = 0
 
+    def reset(self, allocator: BlockAllocator) -> None:
+        """Hold no sequence and schedule over `allocator` from now on (a layout change gave the engine a new
+        block space); the counters go on."""
+        self.allocator = allocator
+        self.waiting.clear()
+        self.running.clear()
+        self.pinned.clear()
+
     def pin(self, seq: Sequence) -> None:
         self.pinned[id(seq)] = self.pinned.get(id(seq), 0) + 1
 

@@ -7,9 +7,12 @@
   Its id is the group id (a whole instance's id is its worker's id). ``kv_blocks`` is the block-id space
   its members share, where a transition needs it (0 = not given).
 
+- A **worker report** is one worker's latest stats as the policies read them: the member it is (its layer
+  range), the unit it says it belongs to, whether it is routable, and its KV load and counters.
+
 Drop and restore plans (`planner`), transition plans (`transition_plan`), the live routing units
-(`units`), the memory manager's layout (`cluster_layout`) and the workers' group roles all speak of these
-two. Loads, reports and layout entries carry a unit or a member rather than redefining them.
+(`units`), the memory manager's layout (`cluster_layout`) and the workers' group roles all speak of these.
+Loads, reports and layout entries carry a unit or a member rather than redefining them.
 """
 
 from __future__ import annotations
@@ -84,3 +87,52 @@ class Unit:
 
 def units_by_id(units: Sequence[Unit]) -> dict[str, Unit]:
     return {u.unit_id: u for u in units}
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """One worker's stats report (every field of the wire's WorkerStats, so the monitor relays it whole)."""
+
+    member: Member                        # the worker and the layer range it holds
+    num_layers_model: int = 0
+    unit_id: str = ""                     # the unit it belongs to (its own id when whole)
+    unit_members: tuple[str, ...] = ()    # pipeline order; [0] is the head
+    serving: bool = False                 # a whole instance, or the head of a complete pipeline group
+    transitioning: bool = False           # a drop / restore is in progress: requests wait
+    epoch: int = 0                        # the layout epoch of its latest transition
+    address: str = ""                     # host:port of its gRPC server
+    timestamp_unix_s: float = 0.0         # the worker's wall clock when it took the report
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_undropped: int = 0          # KV blocks it had holding every layer (0: not reported)
+    queued_demand_blocks: int = 0         # KV blocks the waiting requests' prompts will need
+    block_size: int = 0                   # tokens per KV block
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0          # cumulative counters: rates are the receiver's
+    generated_tokens_total: int = 0
+    oldest_waiting_age_s: float = 0.0     # queue time of its oldest request that has not started
+    busy_seconds_total: float = 0.0
+    idle_seconds_total: float = 0.0
+    bubble_seconds_total: float = 0.0
+    bubble_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "unit_members", tuple(self.unit_members))
+
+    @property
+    def worker_id(self) -> str:
+        return self.member.worker_id
+
+    @property
+    def routable(self) -> bool:
+        """The dispatcher may route to it: it says it serves (a whole instance or the head of a complete
+        group) and is not in the middle of a drop / restore."""
+        return self.serving and not self.transitioning
+
+    @property
+    def is_non_head_member(self) -> bool:
+        """A pipeline group's member other than its head: its KV numbers describe the head's block-id space
+        again."""
+        return len(self.unit_members) > 1 and self.unit_members[0] != self.worker_id

@@ -123,8 +123,8 @@ class OverloadPolicy:
         loads = list(loads)
         cfg = self.config
         over = tuple(sorted(u.unit_id for u in loads if self.overloaded(u)))
-        self._overloaded_since = (self._overloaded_since if self._overloaded_since is not None else now) \
-            if over else None
+        overloaded_since = self._overloaded_since if self._overloaded_since is not None else now
+        self._overloaded_since = overloaded_since if over else None
         present = {u.unit_id for u in loads}
         for uid in list(self._below_since):
             if uid not in present:
@@ -143,7 +143,7 @@ class OverloadPolicy:
             self._pending = None  # never confirmed: allow a new decision
 
         if over:
-            if now - self._overloaded_since < cfg.overload_hold_s:
+            if now - overloaded_since < cfg.overload_hold_s:
                 return Decision(NONE, units=over, reason="overload not held long enough")
             if now - self._last_restore < cfg.drop_cooldown_s:
                 return Decision(NONE, units=over, reason="drop cool-down after a restore")

@@ -1,7 +1,7 @@
-"""Routing units from the workers' latest stats: what the overload policy reasons about. Pure, no I/O.
+"""Routing units from the workers' latest reports: what the overload policy reasons about. Pure, no I/O.
 
 A *unit* is what the dispatcher routes to (KunServe §4): an undropped instance (one worker holding every
-layer), or a pipeline group (workers sharing a ``group_id``, listed in ``group_members`` in pipeline order,
+layer), or a pipeline group (workers reporting one ``unit_id``, listed in ``unit_members`` in pipeline order,
 ``[0]`` being the head that owns the requests).
 
 Load of a unit, in KV blocks (one block = ``block_size`` tokens of one request, over every layer the unit
@@ -11,7 +11,7 @@ runs):
 - **pipeline group**: every request's KV spans all members (each member keeps that request's KV for its own
   layers), and the head schedules with one block-id space that is valid on every member. So the group's
   capacity is *not* the sum of its members' blocks: it is the head's ``kv_blocks_total``, and the head's
-  stats carry the group's used / total / queued numbers. The other members' ``kv_blocks_*`` describe the
+  report carries the group's used / total / queued numbers. The other members' ``kv_blocks_*`` describe the
   same blocks again and are not added.
 - **undropped capacity** (the restore threshold's base, §4.4: "below 50 % of the GPU memory without
   drop"): the sum of the members' ``kv_blocks_undropped``, the blocks each had while holding every layer.
@@ -19,13 +19,10 @@ runs):
   capacity).
 
 Units are left out of the policy's view (and listed in ``Units.skipped`` with the reason) when a member is
-missing, unhealthy or stale (the caller passes only fresh stats), when any member is transitioning (a drop
-or restore in progress: its numbers are about to change), when members disagree about the group (a stats
+missing, unhealthy or stale (the caller passes only fresh reports), when any member is transitioning (a drop
+or restore in progress: its numbers are about to change), when members disagree about the group (a report
 snapshot straddling a layout change), or when the unit is not routable (a worker holding part of the model
 outside a complete group takes no requests of its own).
-
-Workers that predate the unit fields report an empty ``group_id``: such a worker is a whole unit of its own,
-routable when it holds every layer.
 """
 
 from __future__ import annotations
@@ -33,29 +30,26 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kunserve.shared.policy.cluster import Unit, WorkerReport
 from kunserve.shared.policy.overload import UnitLoad
-from kunserve.v1 import common_pb2
 
 
 @dataclass(frozen=True)
-class Unit:
-    unit_id: str                       # the group id (a whole worker's own id)
-    members: tuple[str, ...]           # pipeline order; [0] is the head
+class UnitView:
+    """A settled, routable unit as the monitor sees it: its structure, its load and its layout epoch."""
+
+    unit: Unit
     load: UnitLoad
     epoch: int = 0                     # the layout epoch its members report
 
     @property
-    def head(self) -> str:
-        return self.members[0]
-
-    @property
-    def is_group(self) -> bool:
-        return len(self.members) > 1
+    def unit_id(self) -> str:
+        return self.unit.unit_id
 
 
 @dataclass(frozen=True)
 class Units:
-    units: tuple[Unit, ...] = ()
+    units: tuple[UnitView, ...] = ()
     skipped: dict[str, str] = field(default_factory=dict)  # unit id -> why it is not in `units`
 
     @property
@@ -70,87 +64,73 @@ class Units:
 TRANSITIONING = "transitioning"
 
 
-def _holds_every_layer(s: common_pb2.WorkerStats) -> bool:
-    return s.num_layers_model > 0 and s.layer_start == 0 and s.layer_end == s.num_layers_model
-
-
-def group_key(s: common_pb2.WorkerStats) -> str:
-    """The unit a worker belongs to: its ``group_id``, or its own id when it reports none."""
-    return s.group_id or s.worker_id
-
-
-def build_units(stats: Iterable[common_pb2.WorkerStats]) -> Units:
-    """Group the latest stats of the *healthy* workers (the caller drops stale ones) into units.
+def build_units(reports: Iterable[WorkerReport]) -> Units:
+    """Group the latest reports of the *healthy* workers (the caller drops stale ones) into units.
 
     Units come out sorted by id, members in pipeline order.
     """
-    by_worker: dict[str, common_pb2.WorkerStats] = {}
-    for s in stats:
-        by_worker[s.worker_id] = s
-    claims: dict[str, list[common_pb2.WorkerStats]] = {}
-    for s in by_worker.values():
-        claims.setdefault(group_key(s), []).append(s)
+    by_worker: dict[str, WorkerReport] = {}
+    for r in reports:
+        by_worker[r.worker_id] = r
+    claims: dict[str, list[WorkerReport]] = {}
+    for r in by_worker.values():
+        claims.setdefault(r.unit_id, []).append(r)
 
-    units: list[Unit] = []
+    units: list[UnitView] = []
     skipped: dict[str, str] = {}
-    for gid in sorted(claims):
-        claimants = claims[gid]
-        unit, why = _build_one(gid, claimants, by_worker)
-        if unit is None:
-            skipped[gid] = why
+    for uid in sorted(claims):
+        view, why = _build_one(uid, claims[uid], by_worker)
+        if view is None:
+            skipped[uid] = why
         else:
-            units.append(unit)
+            units.append(view)
     return Units(tuple(units), skipped)
 
 
-def _build_one(gid: str, claimants: list[common_pb2.WorkerStats],
-               by_worker: dict[str, common_pb2.WorkerStats]) -> tuple[Unit | None, str]:
-    # The member list: every claimant's view must agree (members' stats straddling a layout change do not).
-    orders = {tuple(s.group_members) or (s.worker_id,) for s in claimants}
+def _build_one(uid: str, claimants: list[WorkerReport],
+               by_worker: dict[str, WorkerReport]) -> tuple[UnitView | None, str]:
+    # The member list: every claimant's view must agree (members' reports straddling a layout change do not).
+    orders = {r.unit_members for r in claimants}
     if len(orders) != 1:
         return None, "members disagree about the group"
     members = orders.pop()
-    if len(set(members)) != len(members) or not all(members):
+    if not members or len(set(members)) != len(members) or not all(members):
         return None, "malformed member list"
     missing = [m for m in members if m not in by_worker]
     if missing:
         return None, f"member(s) missing or stale: {', '.join(missing)}"
-    stray = sorted(s.worker_id for s in claimants if s.worker_id not in members)
+    stray = sorted(r.worker_id for r in claimants if r.worker_id not in members)
     if stray:
         return None, f"worker(s) claim the group but are not members: {', '.join(stray)}"
-    member_stats = [by_worker[m] for m in members]
-    if any(group_key(s) != gid for s in member_stats):
+    reports = [by_worker[m] for m in members]
+    if any(r.unit_id != uid for r in reports):
         return None, "members disagree about the group"
-    if any(s.transitioning for s in member_stats):
+    if any(r.transitioning for r in reports):
         return None, TRANSITIONING
-    epochs = {s.epoch for s in member_stats}
+    epochs = {r.epoch for r in reports}
     if len(epochs) != 1:
         return None, "members report different layout epochs"
-    head = member_stats[0]
-    if len(members) == 1:
-        routable = head.serving or (not head.group_id and _holds_every_layer(head))
-    else:
-        routable = head.serving
-    if not routable:
+    head = reports[0]
+    if not head.routable:
         return None, "not serving"
     if len(members) == 1:
         undropped = head.kv_blocks_undropped or None
     else:
-        undropped = (sum(s.kv_blocks_undropped for s in member_stats)
-                     if all(s.kv_blocks_undropped > 0 for s in member_stats) else None)
+        undropped = (sum(r.kv_blocks_undropped for r in reports)
+                     if all(r.kv_blocks_undropped > 0 for r in reports) else None)
     load = UnitLoad(
-        unit_id=gid,
+        unit_id=uid,
         used_blocks=head.kv_blocks_used,
         total_blocks=head.kv_blocks_total,        # the group's capacity: the head's block-id space
         queued_demand_blocks=head.queued_demand_blocks,
-        head_demand_blocks=None,                  # stats carry all queued demand, not the head-of-line's
+        head_demand_blocks=None,                  # reports carry all queued demand, not the head-of-line's
         undropped_total_blocks=undropped,
         members=len(members),
         head_wait_s=head.oldest_waiting_age_s,    # the head owns the unit's queue
     )
-    return Unit(gid, members, load, epochs.pop()), ""
+    return UnitView(Unit(uid, tuple(r.member for r in reports)), load, epochs.pop()), ""
 
 
-def unit_loads(stats: Iterable[common_pb2.WorkerStats]) -> list[UnitLoad]:
+def unit_loads(reports: Iterable[WorkerReport]) -> list[UnitLoad]:
     """The policy's input: one UnitLoad per routable, settled unit."""
-    return build_units(stats).loads
+    return build_units(reports).loads

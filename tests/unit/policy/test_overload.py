@@ -2,7 +2,9 @@
 
 import pytest
 
+from kunserve.shared.policy.batch_scheduler import PREEMPTION_MODES
 from kunserve.shared.policy.overload import DROP, NONE, RESTORE, OverloadConfig, OverloadPolicy, UnitLoad
+from kunserve.shared.policy.overload_policies import OVERLOAD_POLICIES, overload_handling
 
 
 def inst(uid, used, queued=0, head=None, total=1000):
@@ -169,3 +171,16 @@ def test_a_waiting_group_is_not_restored():
 def test_max_head_wait_must_be_positive():
     with pytest.raises(ValueError):
         OverloadConfig(max_head_wait_s=0.0)
+
+
+def test_each_overload_label_decodes_to_what_every_component_does():
+    assert OVERLOAD_POLICIES == ("kunserve", "recompute", "swap", "migrate", "static-pp", "queue")
+    traits = {p: overload_handling(p) for p in OVERLOAD_POLICIES}
+    assert all(h.label == p and h.preemption in PREEMPTION_MODES for p, h in traits.items())
+    assert {p: h.preemption for p, h in traits.items() if h.preemption != "recompute"} == {"swap": "swap",
+                                                                                         "queue": "none"}
+    assert {p: h.monitor_action for p, h in traits.items() if h.monitor_action} == {"kunserve": "drop",
+                                                                                    "migrate": "migrate"}
+    assert [p for p, h in traits.items() if h.static_pairs] == ["static-pp"]
+    with pytest.raises(ValueError, match="kunserve, recompute"):
+        overload_handling("fifo")

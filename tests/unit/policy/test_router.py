@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kunserve.shared.policy.router import FreenessRouter, InstanceLoad, serving_from_stats
+from kunserve.shared.policy.cluster import Member, WorkerReport
+from kunserve.shared.policy.router import FreenessRouter, RoutingLoad
 
 
-def load(iid, used=0, t=0.0, healthy=True, serving=True, total=100):
-    return InstanceLoad(iid, total, used, 0, 16, healthy, t, serving=serving)
+def load(wid, used=0, t=0.0, healthy=True, serving=True, total=100):
+    return RoutingLoad(wid, total, used, 0, 16, healthy, t, serving=serving)
 
 
 @pytest.mark.parametrize("serving, group, transitioning, start, end, expected", [
@@ -17,12 +18,13 @@ def load(iid, used=0, t=0.0, healthy=True, serving=True, total=100):
     (False, "g0", False, 2, 4, False),   # a non-head member
     (False, "w0", False, 0, 4, False),   # explicit "not serving" wins over a whole layer range
     (True, "w0", True, 0, 4, False),     # in the middle of a drop / restore: requests wait
-    (False, "", False, 0, 4, True),      # old worker without the layout fields: whole => routable
-    (False, "", False, 0, 2, False),     # old worker that dropped layers
+    (False, "", False, 0, 2, False),     # no unit, not serving, part of the layers
     (False, "", False, 0, 0, False),     # nothing reported at all
 ])
 def test_serving_comes_from_the_stats(serving, group, transitioning, start, end, expected):
-    assert serving_from_stats(serving, group, transitioning, start, end, 4 if end else 0) is expected
+    report = WorkerReport(Member("w0", start, end), num_layers_model=4 if end else 0, unit_id=group,
+                          serving=serving, transitioning=transitioning)
+    assert report.routable is expected
 
 
 def test_only_healthy_serving_instances_are_chosen():
@@ -52,7 +54,7 @@ def test_a_refusal_holds_until_a_report_taken_after_it():
     assert r.choose() is None
     r.refused("zzz", now=1.0)  # unknown instance: remembered, harmless
     r.update(load("zzz", t=0.5))
-    assert not r.instances["zzz"].serving
+    assert not r.workers["zzz"].serving
 
 
 def test_pending_demand_counts_from_the_routing_moment():

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-
 from helpers import make_config
+
 from kunserve.services.memory_manager.servicer import AdminServicer, MemoryManager
 from kunserve.v1 import admin_pb2, admin_pb2_grpc, worker_pb2, worker_pb2_grpc
 

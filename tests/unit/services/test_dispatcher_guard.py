@@ -11,16 +11,14 @@ import time
 
 import grpc
 import pytest
+from test_dispatcher_resume import PROMPT, FakeCluster, FakeWorker, reference, run
 
 from kunserve import client
-from kunserve.services.dispatcher.limits import (EMBEDDED_CONTEXT_LEN, DispatcherLimits, limits_from_config,
-                                                 model_context_len)
+from kunserve.services.dispatcher.limits import EMBEDDED_CONTEXT_LEN, DispatcherLimits, limits_from_config, model_context_len
 from kunserve.services.dispatcher.servicer import RETRY_PUSHBACK_KEY
 from kunserve.shared.config import load_config
 from kunserve.shared.model.tokenizer import ByteTokenizer
 from kunserve.v1 import generation_pb2_grpc
-
-from test_dispatcher_resume import PROMPT, FakeCluster, FakeWorker, reference, run
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,7 +60,7 @@ class GuardCluster(FakeCluster):
         self.limits = limits
         self.stall_timeout_s = stall_timeout_s
 
-    async def __aenter__(self) -> "GuardCluster":
+    async def __aenter__(self) -> GuardCluster:
         await super().__aenter__()
         if self.limits is not None:
             self.servicer.limits = self.limits

@@ -49,7 +49,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     FAILED_PRECONDITION before any token; ("error", code) before any token; "slow" (a token per 50 ms).
     """
 
-    def __init__(self, wid: str, cluster: "FakeCluster") -> None:
+    def __init__(self, wid: str, cluster: FakeCluster) -> None:
         self.wid = wid
         self.cluster = cluster
         self.plan: list = ["ok"]
@@ -149,7 +149,7 @@ class FakeCluster:
     async def stop_worker(self, wid: str) -> None:
         await self.servers.pop(wid).stop(None)
 
-    async def __aenter__(self) -> "FakeCluster":
+    async def __aenter__(self) -> FakeCluster:
         for wid in self.workers:
             await self.start_worker(wid)
         self.pool = WorkerPool(self.cfg)
@@ -372,18 +372,6 @@ def test_request_waits_for_a_routable_worker_then_times_out():
     run(scenario())
 
 
-def test_old_worker_without_layout_fields_is_routable_when_whole():
-    async def scenario():
-        async with FakeCluster(1) as fc:
-            fc.workers["worker-0"].stats.serving = False
-            fc.workers["worker-0"].stats.group_id = ""  # a worker from before the layout fields
-            await fc.pool.refresh()
-            res, events = await fc.generate(PROMPT, 3)
-            assert_one_stream(res, events, 3)
-
-    run(scenario())
-
-
 def test_pending_demand_is_stamped_at_routing_time():
     async def scenario():
         async with FakeCluster(1, route_timeout_s=5) as fc:
@@ -519,8 +507,8 @@ def test_a_poll_sent_before_a_failure_does_not_revive_the_worker():
             await asyncio.sleep(0.1)
             fc.pool.failed("worker-0")  # a request saw its stream break meanwhile
             await poll
-            assert not fc.pool.router.instances["worker-0"].healthy
+            assert not fc.pool.router.workers["worker-0"].healthy
             await fc.pool.refresh()  # sent after the failure: it answers, so it is alive again
-            assert fc.pool.router.instances["worker-0"].healthy
+            assert fc.pool.router.workers["worker-0"].healthy
 
     run(scenario())

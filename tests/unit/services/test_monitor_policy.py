@@ -7,26 +7,26 @@ import pytest
 
 from kunserve.services.monitor.servicer import GrpcMemoryManager, OverloadController, overload_config_from
 from kunserve.shared.config import MonitorSection
+from kunserve.shared.policy.cluster import Member, WorkerReport
 from kunserve.shared.policy.cluster_load import ClusterLoad
 from kunserve.shared.policy.overload import DROP, NONE, RESTORE, OverloadConfig
 from kunserve.shared.rpc import SERVER_OPTIONS
-from kunserve.v1 import common_pb2, memory_manager_pb2, memory_manager_pb2_grpc
+from kunserve.v1 import memory_manager_pb2, memory_manager_pb2_grpc
 
 LAYERS = 4
 
 
 def whole(wid, used=0, total=1000, queued=0, epoch=1, **kw):
-    return common_pb2.WorkerStats(worker_id=wid, kv_blocks_used=used, kv_blocks_total=total,
-                                  queued_demand_blocks=queued, layer_start=0, layer_end=LAYERS,
-                                  num_layers_model=LAYERS, group_id=wid, group_members=[wid], serving=True,
-                                  epoch=epoch, kv_blocks_undropped=1000, **kw)
+    return WorkerReport(Member(wid, 0, LAYERS), kv_blocks_used=used, kv_blocks_total=total,
+                        queued_demand_blocks=queued, num_layers_model=LAYERS, unit_id=wid, unit_members=(wid,),
+                        serving=True, epoch=epoch, kv_blocks_undropped=1000, **kw)
 
 
 def member(wid, gid, members, used=0, total=2400, epoch=2, **kw):
     i = members.index(wid)
-    return common_pb2.WorkerStats(worker_id=wid, kv_blocks_used=used, kv_blocks_total=total, group_id=gid,
-                                  group_members=members, serving=(i == 0), epoch=epoch, kv_blocks_undropped=1000,
-                                  layer_start=2 * i, layer_end=2 * i + 2, num_layers_model=LAYERS, **kw)
+    return WorkerReport(Member(wid, 2 * i, 2 * i + 2), kv_blocks_used=used, kv_blocks_total=total, unit_id=gid,
+                        unit_members=tuple(members), serving=(i == 0), epoch=epoch, kv_blocks_undropped=1000,
+                        num_layers_model=LAYERS, **kw)
 
 
 class Clock:

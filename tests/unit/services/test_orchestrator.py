@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from kunserve.services.memory_manager.orchestrator import ClusterAccess, OrchestrationError, Orchestrator
+from kunserve.shared.policy.cluster_layout import LayoutState
 from kunserve.v1 import memory_manager_pb2, worker_pb2
 
 pytestmark = pytest.mark.timeout(30)
@@ -95,16 +96,11 @@ class FakeWorker:
 
 
 @dataclass
-class FakeLayout:
-    epoch: int = 0
-
-
-@dataclass
 class FakeCluster:
     """`ClusterAccess` over fake workers; `refresh` only counts."""
 
     workers: dict[str, FakeWorker] = field(default_factory=dict)
-    layout: FakeLayout = field(default_factory=FakeLayout)
+    layout: LayoutState = field(default_factory=LayoutState)
     log: list[Call] = field(default_factory=list)
     refreshes: int = 0
 
@@ -138,7 +134,7 @@ def run(coro):
 
 
 def wholes(*ids: str, epoch: int = 3, layout_epoch: int = 2) -> FakeCluster:
-    c = FakeCluster(layout=FakeLayout(layout_epoch))
+    c = FakeCluster(layout=LayoutState(epoch=layout_epoch))
     for w in ids:
         c.add(w, epoch=epoch)
     return c
@@ -146,7 +142,7 @@ def wholes(*ids: str, epoch: int = 3, layout_epoch: int = 2) -> FakeCluster:
 
 def paired(layout_epoch: int = 5) -> FakeCluster:
     """w0 + w1 a pipeline group (w0 the head, owning two requests), w2 whole."""
-    c = FakeCluster(layout=FakeLayout(layout_epoch))
+    c = FakeCluster(layout=LayoutState(epoch=layout_epoch))
     members = ("w0", "w1")
     c.add("w0", layers=(0, 2), group_id="w0+w1", members=members, epoch=5, kv_blocks_after=10,
           seqs=(seq("r1", "w0+w1", [4, 5, 6]), seq("r2", "w0+w1", [0])))
