@@ -25,7 +25,8 @@ from kunserve import client
 from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_ports, with_workers
 from kunserve.benchkit.replay import ClusterUnreachable, ReplayOutcome, drop_periods, replay
 from kunserve.benchkit.stats import RequestResult, best_p50, summarize
-from kunserve.shared.config import OVERLOAD_POLICIES, ClusterConfig, ConfigError, load_config
+from kunserve.shared.config import ClusterConfig, ConfigError, load_config
+from kunserve.shared.policy.overload_policies import OVERLOAD_POLICIES
 from kunserve.shared.rpc import health_check
 from kunserve.benchkit.trace import (LENGTH_PROFILES, Burst, TraceError, TraceRequest, describe, generate_trace,
                                    load_burstgpt_csv, save_trace_csv, scale_lengths, upscale)

@@ -5,7 +5,6 @@ token budget (SLO-aware from a matching cost-model profile, else the fixed one).
 from __future__ import annotations
 
 
-import torch
 
 from kunserve.services.worker.servicer import WorkerIdentity
 from kunserve.shared.config import ClusterConfig
@@ -31,12 +30,6 @@ def memory_backend(setting: str, device: str) -> str:
     if setting != "auto":
         return setting
     return "cuda" if device == "cuda" else "host"
-
-
-def preemption_mode(policy: str) -> str:
-    """How a worker's scheduler preempts under an overload policy (KunServe too recomputes, inside a unit,
-    what a drop cannot cover)."""
-    return overload_handling(policy).preemption
 
 
 def make_token_budget(cfg: ClusterConfig, *, model: str, dtype: str, layers: tuple[int, int], device: str,
@@ -85,7 +78,7 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Pooled
             block_size=e.block_size, backend=memory_backend(e.memory_backend, device), device=device,
             scheduler_config=SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens,
                                              max_num_seqs=e.max_num_seqs,
-                                             preemption=preemption_mode(cfg.policy.overload)),
+                                             preemption=overload_handling(cfg.policy.overload).preemption),
             keep_host_copy=e.host_copy)
     except MemoryPoolError as exc:
         raise WorkerBuildError(f"memory pool: {exc} (engine.pool_mib = {e.pool_mib}, page_kib = {e.page_kib})") from None

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kunserve.shared.config import OVERLOAD_POLICIES
+from kunserve.shared.policy.overload_policies import OVERLOAD_POLICIES
 
 pytestmark = pytest.mark.integration
 
