@@ -16,7 +16,6 @@ from kunserve.shared.faults import fault_armed
 from kunserve.shared.transfer.service import TransferService
 from kunserve.v1 import worker_pb2_grpc
 
-
 ENGINE_STUCK_S = 120.0
 
 
@@ -40,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         def failing_forward(*_args, **_kwargs):
             raise RuntimeError("injected engine fault")
 
-        engine_loop.engine.runner.forward = failing_forward
+        engine_loop.engine.runner.forward = failing_forward  # type: ignore[method-assign]
 
     # NOT_SERVING once the engine died, or while one iteration has run far longer than any should (hung without
     # raising: a group head waits at most transition_timeout_s for a stage's result before it heals)
@@ -49,10 +48,11 @@ def main(argv: list[str] | None = None) -> None:
     async def amain() -> None:
         wsec = cfg.worker(args.worker_id)
         # Links only from the configured workers, each proving it holds the cluster secret.
-        transfer = TransferService(args.worker_id, host=wsec.host, secret=creds.cluster_secret.encode(),
-                                   members=[w.id for w in cfg.workers])
+        svc = TransferService(args.worker_id, host=wsec.host, secret=creds.cluster_secret.encode(),
+                              members=[w.id for w in cfg.workers])
+        transfer: TransferService | None = svc
         try:
-            await transfer.start(wsec.transfer_port)
+            await svc.start(wsec.transfer_port)
         except Exception as exc:  # no UCX here: the worker still serves, but cannot join pipeline groups
             log.error("transfer_service_unavailable", error=f"{type(exc).__name__}: {exc}")
             transfer = None

@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from kunserve.shared.engine import stage_wire
-from kunserve.shared.engine.engine import GroupBroken
+from kunserve.shared.engine.engine import Engine, GroupBroken
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.stage_wire import StageBatch
 from kunserve.shared.log import get_logger
+from kunserve.shared.policy.cluster import Unit
 from kunserve.shared.transfer.framing import ACTIVATION
 from kunserve.shared.transfer.service import Received, TransferError, TransferService
-from kunserve.shared.policy.cluster import Unit
 
 MB = "mb"
 OUT = "out"
@@ -118,6 +118,16 @@ class StageRunner:
         self.log = get_logger()
         svc.on_message(ACTIVATION, self._on_message)
 
+    def join(self, role: GroupRole, link: UcxPipelineLink | None) -> None:
+        """Take this worker's place in a group: as its head (results come back through link), or a later stage."""
+        self.role = role
+        self.link = link
+
+    def leave(self) -> None:
+        """No group any more: every activation that still arrives is stale."""
+        self.role = None
+        self.link = None
+
     def _on_message(self, msg: Received) -> None:
         role = self.role
         if role is None or msg.header.epoch != role.epoch:
@@ -141,12 +151,8 @@ class StageRunner:
         else:
             self.log.warning("unexpected_activation", name=name, peer=msg.peer)
 
-    def _forward(self, engine, batch: StageBatch, hidden: torch.Tensor) -> torch.Tensor:
-        runner = engine.runner
-        dev = engine.device
-        out = runner.forward(hidden.to(dev), batch.positions_tensor(dev), engine.kv,
-                             batch.metadata(engine.block_size, dev), batch.rows_tensor(dev) if runner.is_last else None)
-        return out.float().cpu().contiguous() if runner.is_last else out
+    def _forward(self, engine: Engine, batch: StageBatch, hidden: torch.Tensor) -> torch.Tensor:
+        return engine.forward_stage(batch, hidden)
 
     def _forward_done(self, role: GroupRole, batch: StageBatch, fut) -> None:
         if role is not self.role:

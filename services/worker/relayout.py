@@ -6,23 +6,23 @@ Driven by the memory manager (services/memory_manager/orchestrator.py) in two st
    microbatches in flight finish, pause the engine between iterations, and report the requests this worker
    owns (if it heads its unit) and the KV blocks it will have in its new layer range. Nothing changed yet:
    Abort resumes exactly as before.
-2. **Execute** (the spec now carries every request's new unit and block table): copy out the KV blocks
-   that move (per layer, per request; ``shared/transition.kv_flows`` says which go where), send them to
-   their new holders on the KV-exchange class of the transfer service, remap memory to the new layer range
-   (drop: weights' pages become KV; restore: KV pages go back to weights, refilled from the host copy),
-   write the local and the received blocks at their new ids, then install the requests at the new head:
-   streams of requests that moved end with ``moved_to`` and the dispatcher re-attaches at the new head.
+2. **Execute** (the spec now carries every request's new unit and block table): the engine exports the KV
+   blocks that move (``kv_exchange``: ``shared/policy/transition_plan.kv_flows`` says which go where), they
+   travel to their new holders on the KV-exchange class of the transfer service, the pool remaps to the new
+   layer range (drop: weights' pages become KV; restore: KV pages go back to weights, refilled from the host
+   copy), the engine imports the local and the received blocks at their new ids and takes its role in the
+   new unit (``membership``); streams of requests that moved end with ``moved_to`` at the commit and the
+   dispatcher re-attaches at the new head (``handover``).
 
 If Execute fails after anything changed, the worker heals to a whole instance and keeps the requests it
 owned as recompute preemptions (prompt + generated tokens re-prefilled: the same greedy tokens), so
 nothing is lost; the memory manager then reports the transition as rolled back.
 
-A transition cannot be orphaned: from Prepare on, the worker holds a *lease* (``TransitionSpec.lease_s``)
-that every step and every ``RenewTransition`` of the memory manager extends. A worker that hears nothing
-for that long (its memory manager died, or hangs) aborts on its own exactly as ``AbortTransition`` would:
-before Execute it resumes unchanged, after it it heals to a whole instance and tells the members of the
-unit it had joined that it left, so a member that did commit breaks its group at once. Steps (prepare,
-execute, commit, abort, the lease's own abort) run one at a time.
+A transition cannot be orphaned (``lease``): a worker that hears nothing from its memory manager for the
+lease aborts on its own exactly as ``AbortTransition`` would: before Execute it resumes unchanged, after it
+it heals to a whole instance and tells the members of the unit it had joined that it left, so a member that
+did commit breaks its group at once. Steps (prepare, execute, commit, abort, the lease's own abort) run one
+at a time. This module only orchestrates: the engine and the pool own every change to their state.
 """
 
 from __future__ import annotations
@@ -30,32 +30,29 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-import torch
-
-from kunserve.shared.engine.api import EngineRequest
-from kunserve.shared.engine.api import SeqSnapshot
-from kunserve.shared.engine.engine import Engine, GroupBroken
+from kunserve.shared.engine.api import SeqSnapshot, TokenEvent
+from kunserve.shared.engine.engine import Engine
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.faults import fault_point
 from kunserve.shared.log import get_logger
-from kunserve.shared.transfer.framing import CONTROL, KV_EXCHANGE
-from kunserve.shared.transfer.service import TransferError, TransferService
-from kunserve.shared.policy.cluster import Member, Unit
-from kunserve.shared.policy.transition_plan import Flow, SeqMove, TransitionError, kv_flows, unit_of
+from kunserve.shared.policy.cluster import Unit
+from kunserve.shared.policy.transition_plan import SeqMove, TransitionError, kv_flows, unit_of
+from kunserve.shared.streams import StreamRegistry
+from kunserve.shared.transfer.service import TransferService
 from kunserve.shared.wire.transitions import snapshot_from_pb, snapshot_to_pb, units_from_pb
 from kunserve.v1 import worker_pb2
 
-from .group import GroupRole, StageRunner, UcxPipelineLink
-
-
-PING = "ping"
-LEAVE = "leave"
-DEFAULT_LEASE_S = 10.0  # a spec without lease_s: how long a paused worker waits for its memory manager
-MAX_LEASE_S = 3600.0
+from .group import GroupRole
+from .handover import StreamHandover
+from .kv_exchange import export_flow, import_flow, receive_flows, send_flows
+from .lease import MAX_LEASE_S, TransitionLease
+from .membership import GroupMembership
+from .peers import PeerLinks, PeerUnreachable
 
 
 class TransitionRefused(RuntimeError):
@@ -64,13 +61,6 @@ class TransitionRefused(RuntimeError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclass(frozen=True)
-class Moved:
-    """Pushed into a request's stream queue: it now lives on another worker."""
-
-    worker_id: str
 
 
 @dataclass
@@ -90,35 +80,25 @@ class TransitionStats:
     scatter_s: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class TransitionRunner:
     def __init__(self, worker_id: str, engine_loop: EngineLoop, instance: PooledInstance, svc: TransferService,
-                 streams, timeout_s: float = 60.0) -> None:
+                 streams: StreamRegistry[TokenEvent], timeout_s: float = 60.0) -> None:
         self.worker_id = worker_id
         self.engine_loop = engine_loop
         self.instance = instance
         self.svc = svc
-        self.streams = streams  # StreamRegistry of the worker servicer
         self.timeout_s = timeout_s
         self.epoch = 0
-        self.role: GroupRole | None = None  # None: a whole instance of its own
         self.prepared: _Prepared | None = None
-        self.moved_in: dict[str, asyncio.Queue] = {}  # streams waiting for the dispatcher's attach
-        self.on_event: Callable[[str], Callable] | None = None  # request id -> engine event callback
+        self.membership = GroupMembership(worker_id, engine_loop, instance, svc, timeout_s)
+        self.handover = StreamHandover(streams, engine_loop, timeout_s)
+        self.peers = PeerLinks(worker_id, svc)
         self.log = get_logger()
-        self.stage = StageRunner(svc, engine_loop, instance.cfg.torch_dtype, self._stage_failed)
         self.loop: asyncio.AbstractEventLoop | None = None
-        engine_loop.on_group_broken = self._heal_on_engine_thread
-        svc.on_peer_lost(self._peer_lost)
-        svc.on_message(CONTROL, self._on_control)  # liveness pings (arriving is all they do) and "leave"
-        self._watchdog: asyncio.Task | None = None
         self._steps = asyncio.Lock()  # one step at a time (the lease's abort included)
-        self._lease_s = DEFAULT_LEASE_S
-        self._lease_until = 0.0  # time.monotonic() after which a prepared, idle transition aborts itself
-        self._lease_watch: asyncio.Task | None = None  # held so the task is not garbage-collected mid-wait
-        self._connecting: dict[str, asyncio.Task] = {}  # transfer links being opened, by peer
+        self.lease = TransitionLease(self._steps)
 
     # -- state ------------------------------------------------------------------------------------------
     @property
@@ -126,12 +106,19 @@ class TransitionRunner:
         return self.prepared is not None
 
     @property
+    def role(self) -> GroupRole | None:
+        """This worker's place in its pipeline group; None: a whole instance of its own."""
+        return self.membership.role
+
+    @property
     def unit_id(self) -> str:
-        return self.role.unit.unit_id if self.role is not None else self.worker_id
+        role = self.role
+        return role.unit.unit_id if role is not None else self.worker_id
 
     @property
     def members(self) -> list[str]:
-        return list(self.role.members) if self.role is not None else [self.worker_id]
+        role = self.role
+        return list(role.members) if role is not None else [self.worker_id]
 
     @property
     def transition_epoch(self) -> int:
@@ -139,44 +126,33 @@ class TransitionRunner:
         return self.prepared.spec.epoch if self.prepared is not None else 0
 
     # -- the lease --------------------------------------------------------------------------------------
-    def _extend_lease(self) -> None:
-        self._lease_until = time.monotonic() + self._lease_s
-
     def renew(self, epoch: int) -> worker_pb2.TransitionLease:
         if self.prepared is None or self.prepared.spec.epoch != epoch:
             raise TransitionRefused("FAILED_PRECONDITION", f"no transition {epoch} in progress here")
-        self._extend_lease()
-        return worker_pb2.TransitionLease(epoch=epoch, expires_in_s=self._lease_s)
+        self.lease.extend()
+        return worker_pb2.TransitionLease(epoch=epoch, expires_in_s=self.lease.lease_s)
 
-    async def _watch_lease(self, epoch: int) -> None:
-        """Abort the prepared transition `epoch` once its lease ran out while no step was running."""
-        while self.prepared is not None and self.prepared.spec.epoch == epoch:
-            left = self._lease_until - time.monotonic()
-            if left > 0 or self._steps.locked():
-                await asyncio.sleep(min(max(left, 0.05), 1.0))
-                continue
-            async with self._steps:
-                p = self.prepared
-                if p is None or p.spec.epoch != epoch or time.monotonic() < self._lease_until:
-                    continue  # a step or a renewal came in meanwhile
-                self.log.error("transition_lease_expired", epoch=epoch, lease_s=self._lease_s, executed=p.executed,
-                               action="healing to a whole instance" if p.executed else "resuming the old layout")
-                try:
-                    await self._abort(epoch)
-                except Exception as exc:  # never stay paused: resume as is (a broken engine reports NOT_SERVING)
-                    self.log.exception("transition_lease_abort_failed", epoch=epoch, error=repr(exc))
-                    if self.prepared is p:
-                        self.prepared = None
-                        self.engine_loop.resume()
-            return
+    async def _lease_expired(self, epoch: int) -> None:
+        """Abort the prepared transition `epoch` (its lease ran out while no step was running)."""
+        p = self.prepared
+        assert p is not None
+        self.log.error("transition_lease_expired", epoch=epoch, lease_s=self.lease.lease_s, executed=p.executed,
+                       action="healing to a whole instance" if p.executed else "resuming the old layout")
+        try:
+            await self._abort(epoch)
+        except Exception as exc:  # never stay paused: resume as is (a broken engine reports NOT_SERVING)
+            self.log.exception("transition_lease_abort_failed", epoch=epoch, error=repr(exc))
+            if self.prepared is p:
+                self.prepared = None
+                self.engine_loop.resume()
 
     # -- gRPC steps -------------------------------------------------------------------------------------
     async def prepare(self, spec: worker_pb2.TransitionSpec) -> worker_pb2.TransitionPrepared:
         async with self._steps:
             reply = await self._prepare(spec)
-            self._lease_s = spec.lease_s or DEFAULT_LEASE_S
-            self._extend_lease()
-            self._lease_watch = asyncio.get_running_loop().create_task(self._watch_lease(spec.epoch))
+            epoch = spec.epoch
+            self.lease.begin(spec.lease_s, lambda: self.prepared is not None and self.prepared.spec.epoch == epoch,
+                             lambda: self._lease_expired(epoch))
             return reply
 
     async def execute(self, spec: worker_pb2.TransitionSpec) -> worker_pb2.TransitionDone:
@@ -184,7 +160,7 @@ class TransitionRunner:
             try:
                 return await self._execute_step(spec)
             finally:
-                self._extend_lease()
+                self.lease.extend()
 
     async def commit(self, epoch: int) -> worker_pb2.TransitionDone:
         async with self._steps:
@@ -219,7 +195,10 @@ class TransitionRunner:
         if unit_of(old_units, self.worker_id).unit_id != self.unit_id:
             raise TransitionRefused("FAILED_PRECONDITION", f"worker {self.worker_id} is in unit {self.unit_id}, "
                                     f"the spec says {unit_of(old_units, self.worker_id).unit_id}")
-        await self._connect_peers(old_units + new_units)
+        try:
+            await self.peers.link_members(old_units + new_units, self.timeout_s)
+        except PeerUnreachable as exc:
+            raise TransitionRefused(exc.code, str(exc)) from None
         self.prepared = _Prepared(spec, [])  # from here on Generate refuses new requests
         self.engine_loop.pause()
         try:
@@ -258,20 +237,17 @@ class TransitionRunner:
             self.engine_loop.resume()
         elif p is None and self.epoch == epoch and self.role is not None:
             self.log.warning("transition_undone_healing", epoch=epoch)
-            await self._on_engine(lambda engine: self._heal(engine))
+            await self._on_engine(lambda engine: self.membership.heal())
         else:
             joined = None
         if joined is not None:  # a member that did commit (or is still executing) must not wait for us
-            self._tell_members_we_left(joined)
+            self.membership.tell_members_we_left(joined)
         return self._done(epoch, TransitionStats())
 
     async def _undo(self, p: _Prepared) -> None:
         """Forget the requests that arrived, heal to a whole instance, keep the ones owned before."""
-        for rid in p.moved_in:
-            self.moved_in.pop(rid, None)
-            self.engine_loop.forget(rid)
-            self.streams.close(rid)
-        await self._on_engine(lambda engine: self._heal(engine, p.snapshot))
+        self.handover.give_back(p.moved_in)
+        await self._on_engine(lambda engine: self.membership.heal(p.snapshot))
 
     async def _execute_step(self, spec: worker_pb2.TransitionSpec) -> worker_pb2.TransitionDone:
         p = self.prepared
@@ -298,14 +274,11 @@ class TransitionRunner:
         p = self.prepared
         if p is None or p.spec.epoch != epoch or not p.executed:
             raise TransitionRefused("FAILED_PRECONDITION", f"transition {epoch} was not executed here")
-        for rid, target in p.moved_out.items():
-            self.engine_loop.forget(rid)
-            self.streams._put(rid, Moved(target))
+        self.handover.hand_over(p.moved_out)
         self.epoch = epoch
         self.prepared = None
         self.engine_loop.resume()
-        if self.role is not None and (self._watchdog is None or self._watchdog.done()):
-            self._watchdog = asyncio.get_running_loop().create_task(self._ping_members())
+        self.membership.start_pings()
         return self._done(epoch, TransitionStats())
 
     # -- the exchange -------------------------------------------------------------------------------------
@@ -317,26 +290,25 @@ class TransitionRunner:
         flows = kv_flows(old_units, new_units, moves)
         new_unit = unit_of(new_units, me)
         new_member = new_unit.member(me)
-        assert new_member is not None
+        assert new_member is not None and self.loop is not None
         outgoing = {k: f for k, f in flows.items() if f.src == me}
         incoming = {k: f for k, f in flows.items() if f.dst == me and f.src != me}
 
         # 1. copy out every block that moves or is renumbered, then forget the requests (their state is in
         #    the spec) so the memory can be remapped
         t0 = time.perf_counter()
-        slabs: dict[str, torch.Tensor] = await self._on_engine(lambda engine: self._gather(engine, outgoing))
+
+        def copy_out(engine: Engine) -> dict[str, Any]:
+            messages = {dst: export_flow(engine, flow) for (_, dst), flow in outgoing.items()}
+            engine.clear()
+            return messages
+
+        messages = await self._on_engine(copy_out)
         stats.gather_s = time.perf_counter() - t0
 
         # 2. send on the KV-exchange class (activations of other groups still overtake it between chunks)
         t0 = time.perf_counter()
-        handles = []
-        for (src, dst), flow in outgoing.items():
-            if dst == me:
-                continue
-            data = slabs[dst]
-            handles.append(self.svc.submit(dst, KV_EXCHANGE, data, request_ids=[pt.request_id for pt in flow.parts],
-                                           epoch=spec.epoch, name=f"kv:{spec.epoch}"))
-            stats.bytes_sent += data.numel() * data.element_size()
+        handles, stats.bytes_sent = send_flows(self.svc, outgoing, messages, spec.epoch)
 
         fault_point("die_in_exchange", me)
 
@@ -346,19 +318,7 @@ class TransitionRunner:
         stats.remap_s = time.perf_counter() - t1
 
         # 4. receive what comes here
-        received: dict[str, torch.Tensor] = {}
-        deadline = time.monotonic() + self.timeout_s
-        while len(received) < len(incoming):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(f.src for f in incoming.values() if f.src not in received)
-                raise TimeoutError(f"KV exchange: nothing from {', '.join(missing)} within {self.timeout_s} s")
-            msg = await self.svc.recv(KV_EXCHANGE, timeout=left)
-            if msg.header.epoch != spec.epoch or (msg.peer, me) not in incoming:
-                self.log.warning("stale_kv_message_dropped", peer=msg.peer, epoch=msg.header.epoch)
-                continue
-            received[msg.peer] = msg.data
-            stats.bytes_received += msg.data.numel() * msg.data.element_size()
+        received, stats.bytes_received = await receive_flows(self.svc, incoming, me, spec.epoch, self.timeout_s)
         for h in handles:
             await h.wait(self.timeout_s)
         stats.exchange_s = time.perf_counter() - t0
@@ -367,17 +327,18 @@ class TransitionRunner:
         t0 = time.perf_counter()
         local = outgoing.get((me, me))
         if local is not None:
-            received[me] = slabs[me]
+            received[me] = messages[me]
             incoming[(me, me)] = local
         role = GroupRole(spec.epoch, new_unit, new_unit.worker_ids.index(me))
         now = time.monotonic()
         mine = [snapshot_from_pb(s, now) for s in spec.seqs if s.new_unit == new_unit.unit_id] if role.is_head else []
         old_owned = {s.request.request_id for s in p.snapshot}
+        loop = self.loop
 
         def finish(engine: Engine) -> None:
             for (src, _), flow in incoming.items():
-                self._scatter(engine, flow, received[src])
-            self._install(engine, role, mine)
+                import_flow(engine, flow, received[src])
+            self.membership.take(engine, role, mine, loop)
 
         await self._on_engine(finish)
         stats.scatter_s = time.perf_counter() - t0
@@ -386,211 +347,17 @@ class TransitionRunner:
                       layers=list(new_member.range), requests=len(mine), sent=stats.bytes_sent,
                       received=stats.bytes_received, remap_ms=round(stats.remap_s * 1e3, 2))
 
-    @torch.inference_mode()  # the KV views may be inference tensors (made during a forward)
-    def _gather(self, engine: Engine, outgoing: dict[tuple[str, str], Flow]) -> dict[str, torch.Tensor]:
-        out = {}
-        for (_, dst), flow in outgoing.items():
-            parts = []
-            for part in flow.parts:
-                ids = torch.tensor(part.old_blocks, dtype=torch.long, device=engine.device)
-                for layer in range(part.layer_start, part.layer_end):
-                    parts.append(engine.kv.layer_cache(layer).index_select(0, ids).cpu())
-            out[dst] = torch.cat(parts).contiguous()
-        engine.clear()
-        return out
-
-    @staticmethod
-    @torch.inference_mode()
-    def _scatter(engine: Engine, flow: Flow, data: torch.Tensor) -> None:
-        at = 0
-        for part in flow.parts:
-            n = len(part.new_blocks)
-            ids = torch.tensor(part.new_blocks, dtype=torch.long, device=engine.device)
-            for layer in range(part.layer_start, part.layer_end):
-                cache = engine.kv.layer_cache(layer)
-                slab = data[at:at + n]
-                if tuple(slab.shape[1:]) != tuple(cache.shape[1:]) or slab.shape[0] != n:
-                    raise ValueError(f"KV exchange: got a slab {tuple(slab.shape)} for {n} blocks of "
-                                     f"{tuple(cache.shape[1:])}")
-                cache.index_copy_(0, ids, slab.to(cache.device, cache.dtype))
-                at += n
-        if at != data.shape[0]:
-            raise ValueError(f"KV exchange: {data.shape[0]} blocks received, {at} expected")
-
-    def _install(self, engine: Engine, role: GroupRole, seqs: list[SeqSnapshot]) -> None:
-        """Become what the new unit needs: a whole instance, a group head (link to the later stages, block
-        space capped at the unit's kv_blocks), or a later stage (no requests of its own)."""
-        multi = len(role.unit.members) > 1
-        link = None
-        if role.is_head and multi:
-            assert self.loop is not None
-            link = UcxPipelineLink(self.svc, self.loop, role, self.timeout_s)
-        engine.link = link
-        engine.kv_limit = role.unit.kv_blocks if (multi and role.is_head) else None
-        engine.clear()
-        engine.allocator = type(engine.allocator)(
-            engine.kv.num_blocks if engine.kv_limit is None else min(engine.kv.num_blocks, engine.kv_limit))
-        engine.scheduler.allocator = engine.allocator
-        engine.install(seqs)
-        self.stage.link = link
-        self.stage.role = role if multi else None
-        self.role = role if multi else None
-
-    def _switch_streams(self, p: _Prepared, old_owned: set[str], now_owned: set[str], spec,
-                        new_units: list[Unit]) -> None:
-        """Requests that arrived get a buffered stream and an engine callback until the dispatcher attaches;
-        requests that left are noted for the commit, which ends their streams with moved_to."""
+    def _switch_streams(self, p: _Prepared, old_owned: set[str], now_owned: set[str],
+                        spec: worker_pb2.TransitionSpec, new_units: list[Unit]) -> None:
+        """Requests that arrived get a buffered stream until the dispatcher attaches; requests that left are
+        noted for the commit, which ends their streams with moved_to."""
         new_unit_of = {s.request_id: s.new_unit for s in spec.seqs}
         heads = {u.unit_id: u.head for u in new_units}
         for rid in old_owned - now_owned:
             p.moved_out[rid] = heads.get(new_unit_of.get(rid, ""), "")
-        for rid in now_owned - old_owned:
-            q = self.streams.open(rid) if rid not in self.streams else None
-            if q is not None:
-                p.moved_in.append(rid)
-                self.moved_in[rid] = q
-                self.engine_loop.register(rid, lambda ev, rid=rid: self.streams.put_threadsafe(rid, ev))
-                asyncio.get_running_loop().call_later(self.timeout_s, self._expire_unattached, rid)
-
-    async def _ping_members(self, interval_s: float = 0.5) -> None:
-        """While in a group, ping every other member over UCX: a crashed peer is noticed on the next send
-        (a receive alone may wait forever), which breaks the group and heals this worker."""
-        beat = torch.zeros(1, dtype=torch.uint8)
-        while self.role is not None:
-            role = self.role
-            for peer in role.members:
-                if peer == self.worker_id:
-                    continue
-                try:
-                    self.svc.submit(peer, CONTROL, beat, name=PING, epoch=role.epoch)
-                except (TransferError, RuntimeError) as exc:
-                    self._peer_lost(peer, exc)
-            await asyncio.sleep(interval_s)
-
-    def _expire_unattached(self, rid: str) -> None:
-        """Nobody attached to a request that moved here (its client is gone): free it."""
-        if self.moved_in.pop(rid, None) is not None:
-            self.log.warning("moved_request_never_attached", request_id=rid)
-            self.engine_loop.abort(rid)
-            self.streams.close(rid)
-
-    # -- failures -----------------------------------------------------------------------------------------
-    def _heal(self, engine: Engine, keep: list[SeqSnapshot] | None = None) -> None:
-        """Back to a whole instance from the host copy (or the checkpoint). Requests whose KV cannot be
-        trusted any more are re-prefilled (recompute preemption): their greedy tokens stay the same."""
-        engine.preempt_all()
-        if keep is not None:  # a failed transition: the requests this worker owned before, as recompute
-            engine.clear()
-            engine.install([SeqSnapshot(s.request, s.generated, 0, [], s.generator_state, s.num_preemptions + 1)
-                            for s in keep])
-        engine.link = None
-        engine.kv_limit = None
-        self.stage.link = None
-        self.stage.role = None
-        self.role = None
-        if self.instance.layer_range != (0, self.instance.cfg.num_layers):
-            self.instance.to_range(0, self.instance.cfg.num_layers)
-        engine.sync_kv_capacity()
-
-    def _heal_on_engine_thread(self, engine: Engine, exc: GroupBroken) -> None:
-        role = self.role
-        self._heal(engine)
-        self.log.warning("healed_to_whole_instance", reason=str(exc), requests=len(engine.seqs))
-        if role is not None and self.loop is not None:  # tell the stages, which may be alive (a timeout)
-            self.loop.call_soon_threadsafe(self._tell_members_we_left, role)
-
-    def _tell_members_we_left(self, role: GroupRole) -> None:
-        for peer in role.members:
-            if peer != self.worker_id:
-                try:
-                    self.svc.submit(peer, CONTROL, torch.zeros(1, dtype=torch.uint8), name=LEAVE, epoch=role.epoch)
-                except (TransferError, RuntimeError):
-                    pass  # gone already
-
-    def _on_control(self, msg) -> None:
-        role = self.role
-        if msg.header.name == LEAVE and role is not None and msg.header.epoch == role.epoch and msg.peer in role.members:
-            self._peer_lost(msg.peer, "it left the group")
-
-    def _peer_lost(self, peer: str, error) -> None:
-        role = self.role
-        if role is None or peer not in role.members:
-            return
-        why = f"group member {peer} lost ({error or 'closed'})"
-        if role.is_head and self.stage.link is not None:
-            link = self.stage.link
-            link.lost(why)  # a stepping engine thread raises GroupBroken and heals...
-
-            def heal_if_idle(engine: Engine) -> None:  # ...an idle one would only notice at its next request
-                if engine.link is link:
-                    self._heal_on_engine_thread(engine, GroupBroken(why))
-
-            self.engine_loop.call(heal_if_idle)
-        else:
-            self._stage_failed(why)
-
-    def _stage_failed(self, why: str) -> None:
-        """A later stage heals itself (it owns no requests) and tells the other members, so its head breaks
-        the group at once instead of waiting for a result that will never come."""
-        if self.role is None or self.role.is_head:
-            return
-        self.log.warning("stage_leaving_group", reason=why)
-        role = self.role
-        self.role = None
-        self.stage.role = None
-        self.engine_loop.call(lambda engine: self._heal(engine))
-        self._tell_members_we_left(role)
+        p.moved_in.extend(self.handover.receive(now_owned - old_owned))
 
     # -- helpers ------------------------------------------------------------------------------------------
-    async def _connect_peers(self, units: list[Unit]) -> None:
-        """Links to every other member of the old and new units; usually already open (connect_peers)."""
-        want = {m.worker_id: m.transfer_address for u in units for m in u.members if m.worker_id != self.worker_id}
-        for wid, addr in sorted(want.items()):
-            await self._link(wid, addr, self.timeout_s)
-
-    async def connect_peers(self, peers: dict[str, str], timeout_s: float) -> dict[str, str]:
-        """Open links to `peers` (worker id -> transfer address) ahead of any transition, concurrently;
-        returns why each failed one failed. Serving goes on meanwhile: nothing is paused."""
-        async def one(wid: str, addr: str) -> tuple[str, str]:
-            try:
-                await self._link(wid, addr, timeout_s)
-                return wid, ""
-            except TransitionRefused as exc:
-                return wid, str(exc)
-
-        tried = await asyncio.gather(*(one(w, a) for w, a in sorted(peers.items()) if w != self.worker_id))
-        return {wid: why for wid, why in tried if why}
-
-    async def _link(self, wid: str, addr: str, timeout_s: float) -> None:
-        if wid in self.svc.peers:
-            return
-        if not addr:
-            raise TransitionRefused("INVALID_ARGUMENT", f"no transfer address for worker {wid}")
-        host, _, port = addr.rpartition(":")
-        if (wid == self.worker_id or addr == self.svc.address or not host or not port.isdigit()
-                or not 0 < int(port) < 65536):
-            raise TransitionRefused("INVALID_ARGUMENT", f"transfer address {addr!r} of worker {wid!r}: expected "
-                                    "host:port of another worker")
-        # One connect per peer at a time, and never cancelled half way: the RPC that asked for it may be cancelled
-        # (its memory manager died), but abandoning UCX's endpoint set-up in the middle can crash the process. The
-        # connect is bounded by timeout_s on its own.
-        task = self._connecting.get(wid)
-        if task is None:
-            # expect=wid: a listener with another name is refused before its link is registered
-            task = asyncio.ensure_future(self.svc.connect(host, int(port), timeout=timeout_s, expect=wid))
-            self._connecting[wid] = task
-            task.add_done_callback(lambda t, wid=wid: self._connected(wid, t))
-        try:
-            await asyncio.shield(task)
-        except Exception as exc:  # (a cancelled RPC raises CancelledError, a BaseException: it passes through)
-            raise TransitionRefused("UNAVAILABLE", f"cannot reach worker {wid} at {addr}: {exc}") from None
-
-    def _connected(self, wid: str, task: asyncio.Task) -> None:
-        if self._connecting.get(wid) is task:
-            del self._connecting[wid]
-        if not task.cancelled():
-            task.exception()  # its outcome reached whoever awaited it; nobody may have (the RPC went away)
-
     async def _on_engine(self, fn: Callable[[Engine], Any]) -> Any:
         return await asyncio.wait_for(asyncio.wrap_future(self.engine_loop.call(fn)), self.timeout_s)
 

@@ -23,7 +23,8 @@ from kunserve.shared.memory.errors import MemoryPoolError
 from kunserve.shared.streams import Shutdown, StreamRegistry
 from kunserve.shared.transfer.service import TransferError
 
-from .relayout import Moved, TransitionRefused, TransitionRunner
+from .handover import Moved
+from .relayout import TransitionRefused, TransitionRunner
 from kunserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
@@ -70,10 +71,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         if request.attach:
-            queue = self.transitions.moved_in.pop(rid, None) if self.transitions is not None else None
+            queue = self.transitions.handover.attach(rid) if self.transitions is not None else None
             if queue is None:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: no request {rid!r} moved to worker "
                                     f"{self.identity.worker_id} (or it was attached already)")
+            assert queue is not None
             async for ev in self._pump(rid, queue, context):
                 yield ev
             return
@@ -277,6 +279,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _transition(self, context, step, epoch: int | None = None):
         await self._require_transfer(context)
+        assert self.transitions is not None
         if epoch is not None:
             why = epoch_error(epoch, self.transitions.epoch)
             if why is not None:
@@ -309,11 +312,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def ConnectPeers(self, request: worker_pb2.PeerAddresses, context: grpc.aio.ServicerContext):
         await self._require_transfer(context)
+        assert self.transitions is not None
         peers = {p.worker_id: p.transfer_address for p in request.peers}
         if "" in peers:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "peers: every peer needs a worker_id")
         timeout_s = min(self.transitions.timeout_s, context.time_remaining() or self.transitions.timeout_s)
-        failed = await self.transitions.connect_peers(peers, timeout_s)
+        failed = await self.transitions.peers.connect(peers, timeout_s)
         return worker_pb2.PeerLinks(linked=self.transitions.svc.peers, failed=failed)
 
     async def shutdown(self) -> None:

@@ -5,18 +5,21 @@ blocks, the runner computes one flat token batch (decodes first, then chunks), t
 token for every sequence whose KV is complete. Not thread-safe by itself; `EngineLoop` runs it on a
 dedicated thread and feeds it commands between iterations.
 
-The runner already handles any layer range; this class drives the whole model (one instance). The
-in-process pipeline (shared/engine/pipeline.py) splits the forward at runner boundaries instead.
+The runner handles any layer range: a whole instance runs every layer; in a pipeline group the head
+runs the first range and ships each microbatch through a `PipelineLink` (UCX between workers:
+services/worker/group.py; one process: local_link.py), and every later stage runs `forward_stage`.
 
 Busy / idle accounting (`busy_idle()`): an iteration is busy from scheduling to the sampled tokens;
-idle time while requests were queued is this instance's "bubble" (accounting.py).
+idle time while requests were queued is this instance's "bubble" (accounting.py). A group head
+waiting for its later stages' results is not busy; a later stage is busy while it runs a microbatch.
 """
 
 from __future__ import annotations
 
 import collections
 import random
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
@@ -27,9 +30,9 @@ from kunserve.shared.engine.kv_storage import KVStorage, TorchKVStorage
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.sampler import sample_rows
 from kunserve.shared.engine.stage_wire import StageBatch
-from kunserve.shared.policy.batch_scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence, TokenBudget
 from kunserve.shared.model.config import ModelConfig
 from kunserve.shared.model.weights import Weights
+from kunserve.shared.policy.batch_scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence, TokenBudget
 
 __all__ = ["Engine", "SchedulerConfig", "PipelineLink", "GroupBroken", "NotServing"]
 
@@ -46,7 +49,8 @@ class NotServing(InvalidRequest):
 
 
 class PipelineLink(Protocol):
-    """How a group head reaches its later stages (the worker implements it over UCX)."""
+    """How a group head reaches its later stages: over UCX between workers (services/worker/group.py),
+    or to Engines in the same process (local_link.py). Each later stage runs `Engine.forward_stage`."""
 
     max_inflight: int
 
@@ -226,29 +230,44 @@ class Engine:
         self._mb_counter += 1
         return StageBatch(self._mb_counter, positions, slot_b, slot_o, decodes, prefills, rows), ids, sampled
 
-    def _run_local(self, batch: StageBatch, ids: list[int]) -> torch.Tensor:
-        """This engine's layers over the batch: logits (whole model) or hidden states (pipeline head)."""
+    def _run_local(self, batch: StageBatch, inputs: torch.Tensor) -> torch.Tensor:
+        """This engine's layers over the batch, from token ids (first layer) or the previous stage's hidden
+        states: logits of batch.rows (last layer) or hidden states for the next stage. Every member of a
+        group and a whole instance compute through here."""
         dev = self.device
-        return self.runner.forward(torch.tensor(ids, dtype=torch.long, device=dev), batch.positions_tensor(dev),
-                                   self.kv, batch.metadata(self.block_size, dev),
+        return self.runner.forward(inputs.to(dev), batch.positions_tensor(dev), self.kv,
+                                   batch.metadata(self.block_size, dev),
                                    batch.rows_tensor(dev) if self.runner.is_last else None)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Run the flat token batch of this step; logits [len(sampled), vocab] for the completing chunks."""
         batch, ids, sampled = self._build(chunks)
-        return self._run_local(batch, ids).cpu(), sampled
+        return self._run_local(batch, torch.tensor(ids, dtype=torch.long)).cpu(), sampled
+
+    def forward_stage(self, batch: StageBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """A later stage of a pipeline group runs its part of the head's microbatch: its layers over its own
+        KV cache (at the block ids the head chose) from the previous stage's hidden states. Returns hidden
+        states for the next stage, or on the last stage the float32 logits of batch.rows on the CPU (what
+        goes back to the head). The time counts as busy (busy_idle)."""
+        self.clock.begin_busy()
+        try:
+            out = self._run_local(batch, hidden)
+            return out.float().cpu().contiguous() if self.runner.is_last else out
+        finally:
+            self.clock.end_busy(still_waiting=False)
 
     def _step_pipelined(self, link: PipelineLink) -> list[TokenEvent]:
         """Head of a pipeline group: ship one microbatch when fewer than max_inflight are out (the head runs
-        its own layers, then the later stages run theirs in their processes while the head forms the next
-        one), then take whatever results came back; block for one only when nothing could be shipped."""
+        its own layers, then the later stages run theirs while the head forms the next one), then take
+        whatever results came back; block for one only when nothing could be shipped (that wait is bubble,
+        not busy: the later stages compute, the head does not)."""
         shipped = False
         if len(self._inflight) < link.max_inflight:
             chunks = self.scheduler.schedule()
             if chunks:
                 batch, ids, sampled = self._build(chunks)
                 try:
-                    hidden = self._run_local(batch, ids)
+                    hidden = self._run_local(batch, torch.tensor(ids, dtype=torch.long))
                 except Exception as exc:
                     return self._fail_batch(chunks, exc)
                 self.consecutive_failed_steps = 0
@@ -261,7 +280,13 @@ class Engine:
                     self.scheduler.pin(seq)
                 self._inflight.append((batch.mb_id, chunks, sampled))
                 shipped = True
-        return self._collect(link, block=not shipped)
+        if shipped:
+            return self._collect(link, block=False)
+        self.clock.end_busy(still_waiting=bool(self.seqs))
+        try:
+            return self._collect(link, block=True)
+        finally:
+            self.clock.begin_busy()
 
     def _collect(self, link: PipelineLink, block: bool) -> list[TokenEvent]:
         """Results of the microbatches in flight, oldest first; waits for the first one when block."""
@@ -278,23 +303,56 @@ class Engine:
                 events.extend(self._sample(logits[torch.tensor(live, dtype=torch.long)], [sampled[i].seq for i in live]))
         return events
 
-    # -- swap preemption (InferCept-like baseline) -------------------------------------------------------
+    # -- KV blocks in and out (swap preemption and layout transitions) -----------------------------------
     @torch.inference_mode()  # the KV views may be inference tensors (made during a forward)
-    def swap_out(self, seq: Sequence) -> None:
-        """Copy the KV of seq's computed tokens to host memory (one tensor per layer), before its blocks
-        are freed. On a GPU this is a device-to-host copy on the critical path, as in a swapping server."""
-        n = blocks_needed(seq.num_computed, self.block_size)
-        ids = torch.tensor(seq.block_table.ids[:n], dtype=torch.long, device=self.device)
-        seq.swapped = [self.kv.layer_cache(layer).index_select(0, ids).to("cpu", copy=True)
-                       for layer in range(self.runner.start, self.runner.end)]
+    def export_blocks(self, block_ids: Iterable[int], layer_start: int, layer_end: int) -> torch.Tensor:
+        """A host copy of the KV of `block_ids` in layers [layer_start, layer_end), layer-major: one tensor
+        [num_layers * len(block_ids), 2, kv_heads, block_size, head_dim], rows (layer, block) in that order.
+        On a GPU this is a device-to-host copy; the bookkeeping is untouched (the caller frees the blocks)."""
+        self._check_layers(layer_start, layer_end)
+        blocks = list(block_ids)
+        n = len(blocks)
+        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        first = self.kv.layer_cache(layer_start)
+        out = torch.empty((layer_end - layer_start) * n, *first.shape[1:], dtype=first.dtype, device="cpu")
+        del first
+        for i, layer in enumerate(range(layer_start, layer_end)):
+            out[i * n:(i + 1) * n].copy_(self.kv.layer_cache(layer).index_select(0, ids))
+        return out
 
     @torch.inference_mode()
+    def import_blocks(self, block_ids: Iterable[int], layer_start: int, layer_end: int, data: torch.Tensor) -> None:
+        """Write `data` (as export_blocks lays it out) into blocks `block_ids` of layers [layer_start,
+        layer_end): the ids may differ from the ones it was exported from. Checks the shape before writing."""
+        self._check_layers(layer_start, layer_end)
+        blocks = list(block_ids)
+        n = len(blocks)
+        block = tuple(self.kv.layer_cache(layer_start).shape[1:])
+        want = ((layer_end - layer_start) * n, *block)
+        if tuple(data.shape) != want:
+            raise ValueError(f"KV blocks: got {tuple(data.shape)} for {n} blocks of {block} in layers "
+                             f"[{layer_start}, {layer_end}), expected {want}")
+        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        for i, layer in enumerate(range(layer_start, layer_end)):
+            cache = self.kv.layer_cache(layer)
+            cache.index_copy_(0, ids, data[i * n:(i + 1) * n].to(cache.device, cache.dtype))
+
+    def _check_layers(self, layer_start: int, layer_end: int) -> None:
+        if not self.runner.start <= layer_start < layer_end <= self.runner.end:
+            raise ValueError(f"KV blocks: layers [{layer_start}, {layer_end}) are not within the held "
+                             f"[{self.runner.start}, {self.runner.end})")
+
+    # -- swap preemption (InferCept-like baseline) -------------------------------------------------------
+    def swap_out(self, seq: Sequence) -> None:
+        """Copy the KV of seq's computed tokens to host memory, before its blocks are freed. On a GPU this
+        is a device-to-host copy on the critical path, as in a swapping server."""
+        n = blocks_needed(seq.num_computed, self.block_size)
+        seq.swapped = self.export_blocks(seq.block_table.ids[:n], self.runner.start, self.runner.end)
+
     def swap_in(self, seq: Sequence) -> None:
         """Copy seq's host KV back into its (new) blocks."""
-        ids = torch.tensor(seq.block_table.ids[:len(seq.swapped[0])], dtype=torch.long, device=self.device)
-        for layer, data in zip(range(self.runner.start, self.runner.end), seq.swapped):
-            cache = self.kv.layer_cache(layer)
-            cache.index_copy_(0, ids, data.to(cache.device))
+        n = seq.swapped.shape[0] // (self.runner.end - self.runner.start)
+        self.import_blocks(seq.block_table.ids[:n], self.runner.start, self.runner.end, seq.swapped)
         seq.swapped = None
 
     # -- layout transitions -----------------------------------------------------------------------------
@@ -315,14 +373,12 @@ class Engine:
         return events
 
     def clear(self) -> None:
-        """Forget every request and free every block, without events (their state was snapshotted)."""
+        """Forget every request and free every block, without events (their state was snapshotted): a fresh
+        block space of this engine's capacity, and a scheduler holding nothing (its counters go on)."""
         self.seqs.clear()
-        self.scheduler.running.clear()
-        self.scheduler.waiting.clear()
-        self.scheduler.pinned.clear()
         self._inflight.clear()
-        self.allocator = BlockAllocator(self.allocator.num_blocks)
-        self.scheduler.allocator = self.allocator
+        self.allocator = BlockAllocator(self._capacity())
+        self.scheduler.reset(self.allocator)
 
     def install(self, snaps: Iterable[SeqSnapshot]) -> None:
         """Take over requests (with their block tables in this engine's block space) after clear()."""
@@ -357,6 +413,47 @@ class Engine:
         for seq in list(self.scheduler.running):
             self.scheduler.preempt(seq)
 
+    # -- roles in a layout: whole instance, group head, later stage -----------------------------------------
+    def become_head(self, link: PipelineLink, kv_blocks: int, seqs: Iterable[SeqSnapshot]) -> None:
+        """Head a pipeline group: later stages are reached through `link`, the block-id space (shared by every
+        member) is capped at `kv_blocks`, and these requests (tables in that space) are the group's. Call with
+        this engine's layers already the group's first range, and nothing in flight."""
+        if not self.runner.is_first or self.runner.is_last:
+            raise ValueError(f"a group head holds the first layers only, this engine holds "
+                             f"[{self.runner.start}, {self.runner.end})")
+        self._take_role(link, kv_blocks, seqs)
+
+    def become_stage(self) -> None:
+        """A later stage of a pipeline group: no link, no requests of its own; its KV blocks are written at the
+        ids the head's microbatches name."""
+        if self.runner.is_first:
+            raise ValueError(f"a later stage does not hold the first layer, this engine holds "
+                             f"[{self.runner.start}, {self.runner.end})")
+        self._take_role(None, None, ())
+
+    def become_whole(self, seqs: Iterable[SeqSnapshot] = (), *, recompute: bool = False) -> None:
+        """A whole instance of its own holding exactly these requests (the others are forgotten): no link,
+        the block space is all of this engine's KV. With recompute their KV is not trusted: each re-prefills
+        its prompt and generated tokens (a recompute preemption; greedy tokens stay the same)."""
+        if recompute:
+            seqs = [SeqSnapshot(s.request, list(s.generated), 0, [], s.generator_state, s.num_preemptions + 1)
+                    for s in seqs]
+        self._take_role(None, None, seqs)
+
+    def leave_group(self) -> None:
+        """Stop heading (or serving as a stage of) a group that broke: every request this engine owns becomes a
+        recompute preemption (its KV on the other members is gone), no link, no cap on the block space
+        (sync_kv_capacity follows once the layers changed)."""
+        self.preempt_all()
+        self.link = None
+        self.kv_limit = None
+
+    def _take_role(self, link: PipelineLink | None, kv_limit: int | None, seqs: Iterable[SeqSnapshot]) -> None:
+        self.link = link
+        self.kv_limit = kv_limit
+        self.clear()
+        self.install(seqs)
+
     def _append(self, seq: Sequence, token: int) -> TokenEvent:
         seq.tokens.append(token)
         seq.generated.append(token)
@@ -379,13 +476,28 @@ class Engine:
         """Follow kv_storage.num_blocks after the pool remapped pages: grow the allocator at the tail, or
         shrink it when the tail blocks are free (else BlockAllocatorError: compact first). Returns the
         new block count. Call between steps."""
-        new = self.kv.num_blocks if self.kv_limit is None else min(self.kv.num_blocks, self.kv_limit)
+        new = self._capacity()
         old = self.allocator.num_blocks
         if new > old:
             self.allocator.grow(new - old)
         elif new < old:
             self.allocator.shrink_to(new)
         return new
+
+    def release_weights(self) -> None:
+        """Drop every reference to the weights before the pool unmaps their pages; nothing computes until
+        use_weights()."""
+        self.runner.release()
+
+    def use_weights(self, weights: Weights, layer_range: tuple[int, int]) -> None:
+        """Compute layers [start, end) over `weights` from now on (views of the pool's pages after a remap),
+        with the same attention backend."""
+        self.runner = ModelRunner(self.cfg, weights, layer_range, self.device, attention=self.runner.attention,
+                                  pack_weights=self.pack_weights)
+
+    def _capacity(self) -> int:
+        """Blocks this engine may use: its storage's, capped at the group's block space when it heads one."""
+        return self.kv.num_blocks if self.kv_limit is None else min(self.kv.num_blocks, self.kv_limit)
 
     def apply_compaction(self, mapping: dict[int, int]) -> None:
         """After the KV bytes of blocks were moved (old id -> new id), rewrite the bookkeeping: the

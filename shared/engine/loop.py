@@ -18,7 +18,8 @@ import collections
 import concurrent.futures
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -49,7 +50,7 @@ class EngineLoop:
         self.engine = engine
         self.num_threads = max(1, int(num_threads))
         self._cv = threading.Condition()
-        self._commands: collections.deque[tuple[str, object]] = collections.deque()
+        self._commands: collections.deque[tuple[str, Any]] = collections.deque()
         self._callbacks: dict[str, EventCallback] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -58,9 +59,7 @@ class EngineLoop:
         self.log = get_logger()
         self._paused = False  # a layout transition holds the engine: commands run, iterations do not
         self._step_started: float | None = None  # time.monotonic() when the iteration in progress began
-        # Called on the engine thread when a pipeline stage is lost (GroupBroken): the worker heals to a
-        # whole instance there; without it (or when it fails) the loop stops like on any crash.
-        self.on_group_broken: Callable[[Engine, GroupBroken], None] | None = None
+        self._group_broken: Callable[[Engine, GroupBroken], None] | None = None  # see on_group_broken
 
     # -- called from any thread --------------------------------------------------------------------------
     def submit(self, request: EngineRequest, on_event: EventCallback) -> None:
@@ -98,6 +97,12 @@ class EngineLoop:
             self._commands.append(("call", (fn, fut)))
             self._cv.notify()
         return fut
+
+    def on_group_broken(self, callback: Callable[[Engine, GroupBroken], None]) -> None:
+        """callback(engine, exc) runs on the engine thread when a pipeline stage is lost (GroupBroken): the
+        worker heals to a whole instance there; without one (or when it raises) the loop stops like on any
+        crash."""
+        self._group_broken = callback
 
     def register(self, request_id: str, on_event: EventCallback) -> None:
         """Receive the events of a request a transition installed directly in the engine."""
@@ -189,7 +194,7 @@ class EngineLoop:
                     self._emit(TokenEvent(arg.request_id, -1, 0, FinishReason.ERROR,
                                           f"the engine could not take the request: {type(exc).__name__}: {exc}"))
             elif kind == "call":
-                fn, fut = arg  # type: ignore[misc]
+                fn, fut = arg
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn(self.engine))
@@ -239,10 +244,10 @@ class EngineLoop:
                 try:
                     events = self.engine.step()
                 except GroupBroken as exc:
-                    if self.on_group_broken is None:
+                    if self._group_broken is None:
                         raise
                     self.log.error("pipeline_group_broken", error=str(exc))
-                    self.on_group_broken(self.engine, exc)  # raises when healing fails: the loop stops
+                    self._group_broken(self.engine, exc)  # raises when healing fails: the loop stops
                     events = []
                 self._step_started = None
                 for ev in events:

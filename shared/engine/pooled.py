@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
+from kunserve.shared.engine.api import SeqSnapshot
 from kunserve.shared.engine.engine import Engine
-from kunserve.shared.engine.model_runner import ModelRunner
-from kunserve.shared.policy.batch_scheduler import SchedulerConfig
 from kunserve.shared.memory import create_pool
 from kunserve.shared.memory.errors import KVCapacityError, MemoryPoolError
 from kunserve.shared.memory.layer_memory import RemapResult
 from kunserve.shared.model.pool_placement import build_model_layout, fused_source
 from kunserve.shared.model.weights import ModelSource
+from kunserve.shared.policy.batch_scheduler import SchedulerConfig
 
 WEIGHT_SOURCES = ("host", "checkpoint")
 
@@ -50,8 +50,8 @@ class PooledInstance:
         self.source = source
         self.cfg = source.config
         self.device = device
-        self.pool = create_pool(backend, pool_bytes=pool_bytes, page_size=page_size,
-                                **({"device": device} if backend == "cuda" else {}))
+        placement: dict[str, Any] = {"device": device} if backend == "cuda" else {}
+        self.pool = create_pool(backend, pool_bytes=pool_bytes, page_size=page_size, **placement)
         try:
             self.layout = build_model_layout(self.pool, self.cfg, layer_range, block_size,
                                              source.load_weights(layer_range))
@@ -88,12 +88,12 @@ class PooledInstance:
                                f"{layers} would discard their KV; drain them or drop through the memory manager, "
                                "which exchanges KV first")
         self.layout.plan_drop(layers)  # validates (LayerRangeError names the layers) before anything changes
-        self.engine.runner.release()
+        self.engine.release_weights()
         try:
             result = self.layout.drop_layers(layers)
         finally:
             self.engine.sync_kv_capacity()
-            self._rebind_runner()
+            self._rebind_weights()
         return LayerChange(result)
 
     # -- layout transitions (cluster drop / restore) -------------------------------------------------------
@@ -120,6 +120,17 @@ class PooledInstance:
                 source = "checkpoint"
             changes.append(self.restore(missing, source))
         return changes
+
+    def heal(self, requests: list[SeqSnapshot] | None = None) -> None:
+        """Back to a whole instance (the missing layers from the host copy, else the checkpoint) after a group
+        broke or a transition failed. The engine keeps its own requests, or exactly `requests` when given, as
+        recompute preemptions: their KV cannot be trusted any more."""
+        self.engine.leave_group()
+        if requests is not None:
+            self.engine.become_whole(requests, recompute=True)
+        if self.layer_range != (0, self.cfg.num_layers):
+            self.to_range(0, self.cfg.num_layers)
+        self.engine.sync_kv_capacity()
 
     # -- restore -----------------------------------------------------------------------------------------
     def weight_source(self, layers: list[int], source: str):
@@ -149,22 +160,20 @@ class PooledInstance:
             moves = self.layout.plan_compaction(used, plan.num_blocks)
             self.layout.apply_compaction(moves)  # copies the blocks' bytes in every held layer
             self.engine.apply_compaction(moves)  # rewrites the allocator and every block table
-        self.engine.runner.release()
+        self.engine.release_weights()
         try:
             result = self.layout.restore_layers(layers, weights, used_block_ids=self.engine.allocator.used_ids())
         finally:
             self.engine.sync_kv_capacity()
-            self._rebind_runner()
+            self._rebind_weights()
         return LayerChange(result, len(moves), source)
 
-    def _rebind_runner(self) -> None:
-        """A runner over what the worker now holds (views of the pages; built after every remap)."""
-        start, end = self.layer_range
-        self.engine.runner = ModelRunner(self.cfg, self.layout.weights(), (start, end), self.device,
-                                         attention=self.engine.runner.attention, pack_weights=False)
+    def _rebind_weights(self) -> None:
+        """The engine computes over what the worker now holds (views of the pages; after every remap)."""
+        self.engine.use_weights(self.layout.weights(), self.layer_range)
 
     def close(self) -> None:
-        self.engine.runner.release()
+        self.engine.release_weights()
         self.layout.close()
         self.pool.close()
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-
 from engine_testing import check_greedy, weights_for
+
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.attention import make_attention
 from kunserve.shared.engine.engine import Engine, SchedulerConfig

@@ -7,8 +7,8 @@ import threading
 import time
 
 import pytest
-
 from engine_testing import one_torch_thread, weights_for  # noqa: F401 - fixture
+
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest, SamplingParams, TokenEvent
 from kunserve.shared.engine.engine import Engine
 from kunserve.shared.engine.loop import EngineLoop, EngineStopped

@@ -8,14 +8,14 @@ import random
 from dataclasses import dataclass
 
 import pytest
-
 from engine_testing import check_greedy, one_torch_thread, weights_for  # noqa: F401 - fixture
+from oracle import compare_greedy
+
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine, SchedulerConfig
 from kunserve.shared.engine.kv_blocks import blocks_needed
 from kunserve.shared.model.config import TINY_CONFIG, ModelConfig
 from kunserve.shared.model.reference import reference_greedy
-from oracle import compare_greedy
 
 SMALL = TINY_CONFIG.replace(num_layers=2, name="small")
 

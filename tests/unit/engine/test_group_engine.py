@@ -16,19 +16,18 @@ import random
 
 import pytest
 import torch
-
 from engine_testing import one_torch_thread, weights_for  # noqa: F401 - fixture
+from oracle import compare_greedy
+
 from kunserve.shared.engine import stage_wire
-from kunserve.shared.engine.api import EngineRequest, FinishReason, SamplingParams, TokenEvent
-from kunserve.shared.engine.api import SeqSnapshot
+from kunserve.shared.engine.api import EngineRequest, FinishReason, SamplingParams, SeqSnapshot, TokenEvent
 from kunserve.shared.engine.engine import Engine, GroupBroken, NotServing, SchedulerConfig
 from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable
 from kunserve.shared.engine.kv_storage import TorchKVStorage
 from kunserve.shared.engine.model_runner import ModelRunner
-from kunserve.shared.policy.batch_scheduler import Scheduler, Sequence
 from kunserve.shared.model.config import TINY_CONFIG
 from kunserve.shared.model.reference import reference_scores
-from oracle import compare_greedy
+from kunserve.shared.policy.batch_scheduler import Scheduler, Sequence
 
 CFG = TINY_CONFIG  # 4 layers
 BS = 8
@@ -106,9 +105,9 @@ def make_group(stages: int, max_inflight: int, seed: int = 0, num_blocks: int = 
     w = weights_for(CFG)
     ranges = STAGE_RANGES[stages]
     eng = make_whole(num_blocks, sched, block_size)
-    eng.runner = ModelRunner(CFG, w, ranges[0])  # the head holds layers [0, k) only
+    eng.use_weights(w, ranges[0])  # the head holds layers [0, k) only
     link = FakeLink(w, ranges, max_inflight, seed, num_blocks, block_size=block_size)
-    eng.link = link
+    eng.become_head(link, num_blocks, [])
     return eng, link
 
 
@@ -352,18 +351,18 @@ def test_group_head_drains_then_hands_its_requests_to_a_whole_engine():
 
 def test_not_serving_without_the_last_layer_and_no_link():
     eng = make_whole()
-    eng.runner = ModelRunner(CFG, weights_for(CFG), (0, 2))
+    eng.use_weights(weights_for(CFG), (0, 2))
     req = EngineRequest("x", [1, 2, 3], SamplingParams(max_tokens=2))
     assert not eng.serving
     with pytest.raises(NotServing, match=r"\[0, 2\)"):
         eng.add_request(req)
     assert not eng.seqs
-    eng.link = FakeLink(weights_for(CFG), STAGE_RANGES[2], 1)
+    eng.become_head(FakeLink(weights_for(CFG), STAGE_RANGES[2], 1), NUM_BLOCKS, [])
     assert eng.serving
     eng.add_request(req)
     # a later stage never serves, link or not
     eng2 = make_whole()
-    eng2.runner = ModelRunner(CFG, weights_for(CFG), (2, 4))
+    eng2.use_weights(weights_for(CFG), (2, 4))
     eng2.link = FakeLink(weights_for(CFG), STAGE_RANGES[2], 1)
     with pytest.raises(NotServing):
         eng2.add_request(req)
@@ -386,8 +385,8 @@ class BrokenLink:
 
 def test_group_broken_propagates_out_of_step_and_preempt_all_recovers():
     eng = make_whole()
-    eng.runner = ModelRunner(CFG, weights_for(CFG), (0, 2))
-    eng.link = link = BrokenLink()
+    eng.use_weights(weights_for(CFG), (0, 2))
+    eng.become_head(link := BrokenLink(), NUM_BLOCKS, [])
     for i in range(3):
         eng.add_request(EngineRequest(f"b{i}", list(range(300 + 10 * i, 330 + 10 * i)),
                                       SamplingParams(max_tokens=4, ignore_eos=True)))
@@ -396,10 +395,10 @@ def test_group_broken_propagates_out_of_step_and_preempt_all_recovers():
             eng.step()
     assert link.sent == 2
     # healing: back to a whole instance, every request re-prefills and finishes with the right tokens
-    eng.preempt_all()
+    eng.leave_group()
     assert not eng._inflight and not eng.scheduler.pinned and eng.allocator.num_used == 0
-    eng.link = None
-    eng.runner = ModelRunner(CFG, weights_for(CFG))
+    assert eng.link is None
+    eng.use_weights(weights_for(CFG), (0, CFG.num_layers))
     got: dict[str, list[int]] = {f"b{i}": [] for i in range(3)}
     while eng.has_work():
         for ev in eng.step():
@@ -451,7 +450,7 @@ def test_scheduler_never_preempts_a_pinned_sequence():
 
 def test_scheduler_never_returns_a_chunk_of_a_sequence_it_preempted():
     sched = Scheduler(BlockAllocator(3), 4)
-    a = _running(sched, "a", 6, 5, [0, 1])  # decoding; position 5 fits in its second block
+    _running(sched, "a", 6, 5, [0, 1])  # decoding; position 5 fits in its second block
     s = _running(sched, "s", 5, 4, [2])  # newer, prompt chunk [0, 4) in flight, one prompt token left
     sched.pin(s)
     chunks = sched.schedule()

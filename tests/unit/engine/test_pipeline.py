@@ -1,27 +1,33 @@
-"""The in-process pipeline executor: greedy tokens identical to the dense reference and to the
-single-instance engine for 2, 3 and 4 stages with lookahead on and off; per-stage busy / idle
-accounting; a failing stage ends the run with an error instead of a hang. Plus the busy / idle clock
-itself, on a fake clock. No assertion on wall-clock speed."""
+"""A pipeline group in one process (shared/engine/local_link.py): the live head path
+(`Engine._step_pipelined`) and stage path (`Engine.forward_stage`), each later stage an Engine on its own
+thread. Greedy tokens identical to the whole instance's and to the dense reference's for 2, 3 and 4
+stages whatever the split; per-stage busy / idle accounting; a failing stage breaks the group instead of
+hanging it. Plus the busy / idle clock itself, on a fake clock. No assertion on wall-clock speed."""
 
 from __future__ import annotations
 
+import functools
 import random
+import time
 
 import pytest
-
 from engine_testing import check_greedy, one_torch_thread, weights_for  # noqa: F401 - fixture
-from kunserve.shared.policy.costmodel import KunServeCostModel
-from kunserve.shared.engine.accounting import BusyIdleClock
-from kunserve.shared.engine.api import EngineRequest, InvalidRequest, SamplingParams
-from kunserve.shared.engine.engine import Engine, SchedulerConfig
-from kunserve.shared.engine.pipeline import (PipelineConfig, PipelineError, PipelineExecutor,
-                                             balanced_layer_ranges)
-from kunserve.shared.model.config import TINY_CONFIG
-from kunserve.shared.model.reference import reference_greedy
 from oracle import compare_greedy
 
+from kunserve.shared.engine.accounting import BusyIdleClock
+from kunserve.shared.engine.api import EngineRequest, InvalidRequest, SamplingParams
+from kunserve.shared.engine.engine import Engine, GroupBroken, SchedulerConfig
+from kunserve.shared.engine.local_link import LocalPipelineLink, local_group
+from kunserve.shared.model.config import TINY_CONFIG
+from kunserve.shared.model.reference import reference_greedy
+from kunserve.shared.policy.planner import balanced_split
+
 CFG = TINY_CONFIG  # 4 layers: up to 4 stages
-MODEL = KunServeCostModel(alpha=9e-8, beta=8.5e-5, gamma=3.7e-3, lam=3.5e-3)
+BS = 8
+SCHED = SchedulerConfig(max_num_batched_tokens=64)
+SPLITS = [[(0, 1), (1, 4)], [(0, 2), (2, 4)], [(0, 3), (3, 4)],
+          [(0, 1), (1, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)], [(0, 2), (2, 3), (3, 4)],
+          balanced_split(4, 4)]
 
 
 def requests(seed: int, n: int = 10) -> list[EngineRequest]:
@@ -30,97 +36,161 @@ def requests(seed: int, n: int = 10) -> list[EngineRequest]:
                           SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=True)) for i in range(n)]
 
 
-@pytest.mark.parametrize("stages,lookahead", [(2, False), (2, True), (3, True), (4, False), (4, True)])
-def test_pipeline_tokens_match_the_reference(stages, lookahead):
+def clone(reqs: list[EngineRequest]) -> list[EngineRequest]:
+    return [EngineRequest(r.request_id, list(r.prompt_token_ids), r.sampling) for r in reqs]
+
+
+@functools.lru_cache(maxsize=1)
+def whole(seed: int) -> dict[str, list[int]]:
+    """The whole instance's tokens, checked against the dense reference once (every split must equal them)."""
     w = weights_for(CFG)
-    reqs = requests(seed=stages * 10 + lookahead)
-    ex = PipelineExecutor(CFG, w, PipelineConfig(num_stages=stages, lookahead=lookahead, min_tokens=48, chunk_tokens=64,
-                                                 num_kv_blocks=400, block_size=8), cost_model=MODEL)
-    run = ex.generate(reqs)
-    assert all(len(run.tokens[r.request_id]) == r.sampling.max_tokens for r in reqs)
-    ties = sum(check_greedy(CFG, w, r.prompt_token_ids, run.tokens[r.request_id]) for r in reqs)
+    reqs = requests(seed)
+    got = Engine(CFG, w, num_kv_blocks=400, block_size=BS, scheduler_config=SCHED).generate(clone(reqs))
+    assert all(len(got[r.request_id]) == r.sampling.max_tokens for r in reqs)
+    ties = sum(check_greedy(CFG, w, r.prompt_token_ids, got[r.request_id]) for r in reqs)
     assert ties <= 1
-    # the step-by-step greedy reference (oracle.compare_greedy) for two of them
-    for r in reqs[:2]:
+    for r in reqs[:2]:  # the step-by-step greedy reference (oracle.compare_greedy)
         ref, margins = reference_greedy(CFG, w, r.prompt_token_ids, r.sampling.max_tokens)
-        compare_greedy(run.tokens[r.request_id], ref, margins)
-    # what was run: microbatches mixing requests, lookahead plans when on, per-stage accounting
-    assert any(mb["lookahead"] for mb in run.microbatches) == lookahead
-    assert any(mb["chunks"] > 1 for mb in run.microbatches)
-    assert len(run.stages) == stages and [s.layers for s in run.stages] == balanced_layer_ranges(4, stages)
-    for s in run.stages:
-        assert s.busy_s > 0 and s.idle_s >= 0 and 0 <= s.bubble_ratio < 1
-        assert s.busy_s <= run.window_s + 1e-6
-    assert 0 <= run.bubble_ratio < 1 and run.tokens_per_s > 0
-    assert run.generated_tokens == sum(r.sampling.max_tokens for r in reqs)
-    rep = run.replay()
-    assert 0 <= rep["bubble_ratio"] < 1 and rep["makespan_s"] > 0
-    assert all(len(mb["stage_times"]) == stages for mb in run.microbatches)
-    for mb in run.microbatches:  # a microbatch runs on stage s+1 after stage s
-        times = mb["stage_times"]
-        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(times, times[1:]))
+        compare_greedy(got[r.request_id], ref, margins)
+    return got
 
 
-def test_pipeline_equals_the_single_instance_engine_and_frees_its_kv():
+@pytest.mark.parametrize("ranges", SPLITS, ids=lambda r: "|".join(f"{a}-{b}" for a, b in r))
+def test_group_tokens_equal_the_whole_instance_and_the_reference(ranges):
+    w = weights_for(CFG)
+    reqs = requests(seed=7)
+    head, link = local_group(CFG, w, ranges, num_kv_blocks=400, block_size=BS, scheduler_config=SCHED)
+    sent = []
+    send = link.send
+    link.send = lambda batch, hidden: (sent.append(batch), send(batch, hidden))[1]
+    with link:
+        t0 = time.perf_counter()
+        got = head.generate(clone(reqs))
+        window = time.perf_counter() - t0
+    assert not link.running  # close() stopped the stage threads
+    assert got == whole(7)  # identical tokens; whole() holds them against the reference
+    # what was run: microbatches mixing requests, several in flight, every stage over its own layers
+    assert any(len(b.decodes) + len(b.prefills) > 1 for b in sent)
+    assert [(s.runner.start, s.runner.end) for s in [head, *link.stages]] == [tuple(r) for r in ranges]
+    assert link.max_inflight == len(ranges)
+    st = head.stats()
+    assert st.generated_tokens_total == sum(r.sampling.max_tokens for r in reqs)
+    assert st.prompt_tokens_total == sum(len(r.prompt_token_ids) for r in reqs)
+    assert head.allocator.num_used == 0 and not head.scheduler.pinned and not head.has_work()
+    for eng in [head, *link.stages]:  # per-stage accounting
+        b = eng.busy_idle()
+        assert b.busy_s > 0 and b.idle_s >= 0 and 0 <= b.bubble_ratio < 1
+        assert b.busy_s <= window + 1e-3
+    for stage in link.stages:
+        assert not stage.seqs and stage.allocator.num_used == 0  # a later stage owns no requests
+
+
+def test_group_equals_the_single_instance_engine_on_a_tight_cache_and_frees_its_kv():
+    """Tight KV: requests wait for earlier ones and get preempted while microbatches are in flight."""
     w = weights_for(CFG)
     reqs = requests(seed=99, n=8)
-    eng = Engine(CFG, w, num_kv_blocks=400, block_size=8, scheduler_config=SchedulerConfig(max_num_batched_tokens=64))
-    single = eng.generate([EngineRequest(r.request_id, list(r.prompt_token_ids), r.sampling) for r in reqs])
-    # tight KV: requests must wait for earlier ones to finish (admission is whole-request, FCFS)
-    largest = max(-(-(len(r.prompt_token_ids) + r.sampling.max_tokens) // 8) for r in reqs)
-    ex = PipelineExecutor(CFG, w, PipelineConfig(num_stages=2, lookahead=True, min_tokens=32, num_kv_blocks=largest + 4,
-                                                 block_size=8), cost_model=MODEL)
-    run = ex.generate(reqs)
+    largest = max(-(-(len(r.prompt_token_ids) + r.sampling.max_tokens) // BS) for r in reqs)
+    single = Engine(CFG, w, num_kv_blocks=largest + 4, block_size=BS, scheduler_config=SCHED)
+    want = single.generate(clone(reqs))
+    assert single.scheduler.num_preemptions > 0
+    head, link = local_group(CFG, w, balanced_split(4, 2), num_kv_blocks=largest + 4, block_size=BS,
+                             scheduler_config=SCHED)
+    with link:
+        got = head.generate(clone(reqs))
     diverged = 0
     for r in reqs:
-        if run.tokens[r.request_id] != single[r.request_id]:
+        if got[r.request_id] != want[r.request_id]:
             diverged += 1
-            check_greedy(CFG, w, r.prompt_token_ids, run.tokens[r.request_id])  # only a near-tie may differ
+            check_greedy(CFG, w, r.prompt_token_ids, got[r.request_id])  # only a near-tie may differ
     assert diverged <= 1
-    assert ex._alloc.num_used == 0  # every request's blocks are back
+    assert head.allocator.num_used == 0  # every request's blocks are back
 
 
 def test_sampled_requests_and_stop_tokens():
     w = weights_for(CFG)
     rng = random.Random(3)
     prompt = [rng.randrange(258, CFG.vocab_size) for _ in range(40)]
-    greedy = PipelineExecutor(CFG, w, PipelineConfig(num_stages=2)).generate(
-        [EngineRequest("g", prompt, SamplingParams(max_tokens=6, ignore_eos=True))]).tokens["g"]
-    stop = greedy[2]
-    run = PipelineExecutor(CFG, w, PipelineConfig(num_stages=2)).generate([
-        EngineRequest("stop", prompt, SamplingParams(max_tokens=6, stop_token_ids=(stop,), ignore_eos=True)),
-        EngineRequest("s1", prompt, SamplingParams(max_tokens=5, temperature=0.8, seed=7)),
-        EngineRequest("s2", prompt, SamplingParams(max_tokens=5, temperature=0.8, seed=7)),
-    ])
-    assert run.tokens["stop"] == greedy[: greedy.index(stop) + 1]
-    assert run.tokens["s1"] == run.tokens["s2"]  # a seed gives the same tokens whatever shares the batch
+    head, link = local_group(CFG, w, balanced_split(4, 2), num_kv_blocks=64, block_size=BS)
+    with link:
+        greedy = head.generate([EngineRequest("g", prompt, SamplingParams(max_tokens=6, ignore_eos=True))])["g"]
+        stop = greedy[2]
+        got = head.generate([
+            EngineRequest("stop", prompt, SamplingParams(max_tokens=6, stop_token_ids=(stop,), ignore_eos=True)),
+            EngineRequest("s1", prompt, SamplingParams(max_tokens=5, temperature=0.8, seed=7)),
+            EngineRequest("s2", prompt, SamplingParams(max_tokens=5, temperature=0.8, seed=7)),
+        ])
+    assert got["stop"] == greedy[: greedy.index(stop) + 1]
+    assert got["s1"] == got["s2"]  # a seed gives the same tokens whatever shares the batch
 
 
 def test_bad_requests_and_configs_are_rejected():
     w = weights_for(CFG)
-    ex = PipelineExecutor(CFG, w, PipelineConfig(num_stages=2, num_kv_blocks=4, block_size=8))
-    with pytest.raises(InvalidRequest, match="KV blocks"):
-        ex.generate([EngineRequest("big", [1] * 40, SamplingParams(max_tokens=2))])
-    with pytest.raises(InvalidRequest, match="twice"):
-        ex.generate([EngineRequest("a", [1], SamplingParams(max_tokens=1))] * 2)
+    head, link = local_group(CFG, w, balanced_split(4, 2), num_kv_blocks=4, block_size=BS)
+    with link:
+        with pytest.raises(InvalidRequest, match="KV"):
+            head.add_request(EngineRequest("big", [1] * 40, SamplingParams(max_tokens=2)))
+        head.add_request(EngineRequest("a", [1], SamplingParams(max_tokens=1)))
+        with pytest.raises(InvalidRequest, match="already running"):
+            head.add_request(EngineRequest("a", [1], SamplingParams(max_tokens=1)))
+    for ranges in ([(0, 1), (2, 4)], [(0, 4)], [(1, 2), (2, 4)], [(0, 2), (2, 3)]):
+        with pytest.raises(ValueError):
+            local_group(CFG, w, ranges, num_kv_blocks=4)
     with pytest.raises(ValueError):
-        PipelineExecutor(CFG, w, PipelineConfig(num_stages=2, layer_ranges=[(0, 1), (2, 4)]))
-    with pytest.raises(ValueError):
-        balanced_layer_ranges(4, 5)
-    assert balanced_layer_ranges(7, 3) == [(0, 3), (3, 5), (5, 7)]
+        balanced_split(4, 5)
+    assert balanced_split(7, 3) == [(0, 3), (3, 5), (5, 7)]
 
 
-def test_a_failing_stage_ends_the_run_with_an_error():
-    w = weights_for(CFG)
-    ex = PipelineExecutor(CFG, w, PipelineConfig(num_stages=3))
+def test_a_failing_stage_breaks_the_group_instead_of_hanging():
+    head, link = local_group(CFG, weights_for(CFG), balanced_split(4, 3), num_kv_blocks=400, block_size=BS,
+                             timeout_s=60)
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    ex.stages[1].runner.forward = broken
-    with pytest.raises(PipelineError, match="stage 1.*boom"):
-        ex.generate(requests(seed=5, n=3))
-    assert all(st.thread is None for st in ex.stages)  # stage threads were stopped
+    link.stages[0].runner.forward = broken
+    with link:
+        for r in requests(seed=5, n=3):
+            head.add_request(r)
+        with pytest.raises(GroupBroken, match="stage 1.*boom"):
+            while head.has_work():
+                head.step()
+        with pytest.raises(GroupBroken, match="stage 1.*boom"):  # and stays broken
+            link.result(0, block=True)
+    assert not link.running  # stage threads were stopped
+
+
+def test_a_link_needs_contiguous_stages_ending_at_the_last_layer():
+    w = weights_for(CFG)
+    _, link = local_group(CFG, w, [(0, 1), (1, 2), (2, 4)], num_kv_blocks=4)
+    with link:
+        mid, last = link.stages
+        with pytest.raises(ValueError, match="last layer"):
+            LocalPipelineLink([mid])
+        with pytest.raises(ValueError, match="contiguous"):
+            LocalPipelineLink([last, mid])
+        with pytest.raises(ValueError):
+            LocalPipelineLink([])
+
+
+def test_the_head_waiting_on_its_stages_is_bubble_and_a_stage_running_is_busy():
+    head, link = local_group(CFG, weights_for(CFG), balanced_split(4, 2), num_kv_blocks=64, block_size=BS)
+    stage = link.stages[0]
+    forward = stage.runner.forward
+    calls = []
+
+    def slow(*args, **kwargs):
+        calls.append(1)
+        time.sleep(0.05)
+        return forward(*args, **kwargs)
+
+    stage.runner.forward = slow
+    with link:
+        head.generate([EngineRequest("a", list(range(300, 320)), SamplingParams(max_tokens=4, ignore_eos=True))])
+    slept = 0.05 * len(calls)
+    assert len(calls) == 4
+    assert stage.busy_idle().busy_s >= slept
+    h = head.busy_idle()
+    assert h.bubble_s >= 0.9 * slept and h.busy_s < h.bubble_s  # one request: the head mostly waits
 
 
 def test_busy_idle_clock_on_a_fake_clock():

@@ -15,10 +15,10 @@ import threading
 
 import pytest
 import torch
+from engine_testing import one_torch_thread, weights_for  # noqa: F401 - fixture
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_testing import one_torch_thread, weights_for  # noqa: F401 - fixture
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest, SamplingParams, TokenEvent
 from kunserve.shared.engine.engine import Engine
 from kunserve.shared.engine.loop import MAX_FAILED_STEPS, EngineBroken, EngineLoop, EngineStopped

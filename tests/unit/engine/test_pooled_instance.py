@@ -6,6 +6,7 @@ import hashlib
 
 import pytest
 import torch
+from oracle import compare_greedy
 
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.pooled import InstanceBusy, PooledInstance
@@ -13,7 +14,6 @@ from kunserve.shared.memory.errors import KVCapacityError, LayerRangeError
 from kunserve.shared.model.pool_placement import fused_source
 from kunserve.shared.model.reference import reference_greedy
 from kunserve.shared.model.weights import load_model_source
-from oracle import compare_greedy
 
 MIB = 1 << 20
 PROMPT = [11, 22, 33, 44, 55]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_testing import one_torch_thread  # noqa: F401 - fixture
+
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine
 from kunserve.shared.engine.sampler import sample

@@ -1,6 +1,7 @@
 """One microbatch on the wire between pipeline stages (shared/engine/stage_wire.py): encode/decode is an
 exact round trip (every field, the hidden states bit for bit in float32 and bfloat16), a later stage builds
-exactly the attention metadata the head built, and malformed input is refused."""
+exactly the attention metadata the head built, a group whose stages exchange wire messages computes the
+whole instance's tokens, and malformed input is refused."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import random
 
 import pytest
 import torch
-
 from engine_testing import one_torch_thread, weights_for  # noqa: F401 - fixture
+
 from kunserve.shared.engine import stage_wire
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.attention import AttentionMetadata
 from kunserve.shared.engine.engine import Engine, SchedulerConfig
+from kunserve.shared.engine.local_link import local_group
 from kunserve.shared.engine.stage_wire import StageBatch
 from kunserve.shared.model.config import TINY_CONFIG
 
@@ -92,11 +94,29 @@ def test_encode_of_a_non_contiguous_view_and_an_empty_hidden_dim():
     assert got == MIXED and h.shape == (7, 0)
 
 
+HEAD_SCHED = SchedulerConfig(max_num_batched_tokens=24, max_prefill_chunk=11)
+
+
+def staggered(eng: Engine) -> dict[str, list[int]]:
+    """Staggered requests (one added per step), then step to the end: chunked prefill, decodes, preemption."""
+    out: dict[str, list[int]] = {}
+    rng = random.Random(3)
+    for i in range(6):
+        eng.add_request(EngineRequest(f"r{i}", [rng.randrange(SMALL.vocab_size) for _ in range(rng.randint(1, 30))],
+                                      SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True)))
+        out[f"r{i}"] = []
+        for ev in eng.step():
+            out[ev.request_id].append(ev.token_id)
+    while eng.has_work():
+        for ev in eng.step():
+            out[ev.request_id].append(ev.token_id)
+    return out
+
+
 def head_batches() -> list[tuple[StageBatch, int]]:
     """The microbatches a head really builds: staggered requests, chunked prefill, decodes, preemption."""
     cfg = SMALL
-    eng = Engine(cfg, weights_for(cfg), num_kv_blocks=24, block_size=4,
-                 scheduler_config=SchedulerConfig(max_num_batched_tokens=24, max_prefill_chunk=11))
+    eng = Engine(cfg, weights_for(cfg), num_kv_blocks=24, block_size=4, scheduler_config=HEAD_SCHED)
     out: list[tuple[StageBatch, int]] = []
     orig = eng._build
 
@@ -106,13 +126,7 @@ def head_batches() -> list[tuple[StageBatch, int]]:
         return batch, ids, sampled
 
     eng._build = build
-    rng = random.Random(3)
-    for i in range(6):
-        eng.add_request(EngineRequest(f"r{i}", [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 30))],
-                                      SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True)))
-        eng.step()
-    while eng.has_work():
-        eng.step()
+    staggered(eng)
     return out
 
 
@@ -128,6 +142,16 @@ def test_metadata_from_the_wire_equals_the_heads():
         assert got == batch and same_bits(h, hidden)
         cpu = torch.device("cpu")
         assert_same_metadata(got.metadata(4, cpu), batch.metadata(4, cpu))
+
+
+def test_a_group_whose_stages_exchange_wire_messages_computes_the_whole_instances_tokens():
+    w = weights_for(SMALL)
+    want = staggered(Engine(SMALL, w, num_kv_blocks=24, block_size=4, scheduler_config=HEAD_SCHED))
+    head, link = local_group(SMALL, w, [(0, 1), (1, 2)], num_kv_blocks=24, block_size=4,
+                             scheduler_config=HEAD_SCHED, wire=True)
+    with link:
+        assert staggered(head) == want
+    assert head.scheduler.num_preemptions > 0
 
 
 # -- malformed input ---------------------------------------------------------------------------------------
