@@ -22,7 +22,6 @@ import statistics
 import time
 from typing import Any
 
-
 from harness import bench_cluster, run_on, write_json  # first: it puts the repository on sys.path
 
 from kunserve import client  # noqa: E402

@@ -39,8 +39,8 @@ import time
 from typing import Any
 
 import torch
-
 from harness import write_json
+
 from kunserve.shared.transfer import ACTIVATION, CONTROL, KV_EXCHANGE, TransferConfig, TransferService
 from kunserve.shared.transfer.peer import READY
 
@@ -155,13 +155,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         await scenario(port, "warmup", one, kv_bytes=kv_bytes // 4, acts=5, act_bytes=act_bytes, interval_s=0)
         results.append(await scenario(port, "idle", one, kv_bytes=0, acts=args.idle_acts, act_bytes=act_bytes,
                                       interval_s=interval))
-        for r in range(args.repeats):
+        for _r in range(args.repeats):
             for t, cfg in prio.items():
                 results.append(await scenario(port, f"kv + priorities, {t:g} ms chunks", cfg, kv_bytes=kv_bytes,
                                               acts=None, act_bytes=act_bytes, interval_s=interval))
             results.append(await scenario(port, "kv as one message (no priorities)", one, kv_bytes=kv_bytes,
                                           acts=None, act_bytes=act_bytes, interval_s=interval))
-        for r in range(args.repeats):
+        for _r in range(args.repeats):
             results.append(await scenario(port, "capacity: one message", one, kv_bytes=kv_bytes, acts=0,
                                           act_bytes=act_bytes, interval_s=0))
             for t, cfg in prio.items():
@@ -178,10 +178,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Merge repeats of a scenario: latencies pooled by median of the per-run figures."""
+    def med_of(rs: list[dict], k: str) -> float | None:
+        values = [r[k] for r in rs if r[k] is not None]
+        return statistics.median(values) if values else None
+
     out = []
     for name in dict.fromkeys(r["scenario"] for r in results):
         rs = [r for r in results if r["scenario"] == name]
-        med = lambda k: statistics.median([r[k] for r in rs if r[k] is not None]) if any(r[k] is not None for r in rs) else None  # noqa: E731
+
+        def med(k: str, rs: list[dict] = rs) -> float | None:
+            return med_of(rs, k)
+
         out.append({"scenario": name, "runs": len(rs), "activations": sum(r["activations"] for r in rs),
                     "act_p50_ms": med("act_p50_ms"), "act_p99_ms": med("act_p99_ms"), "act_max_ms": med("act_max_ms"),
                     "kv_gbps": med("kv_gbps"), "kv_s": med("kv_s"), "kv_chunks": med("kv_chunks"),

@@ -25,10 +25,10 @@ from typing import Any
 from harness import bench_cluster, run_on, write_json  # first: it puts the repository on sys.path
 
 from kunserve import client  # noqa: E402
-from kunserve.cli.launcher import LocalCluster  # noqa: E402
 from kunserve.benchkit.replay import prompt_ids, replay  # noqa: E402
 from kunserve.benchkit.stats import percentiles  # noqa: E402
 from kunserve.benchkit.trace import TraceRequest, gamma_arrivals  # noqa: E402
+from kunserve.cli.launcher import LocalCluster  # noqa: E402
 
 REFUSED = "RESOURCE_EXHAUSTED"
 MIB = 1024 * 1024

@@ -166,7 +166,7 @@ def layer_bench(backend: str, page_size: int, shapes: dict[str, Any], num_layers
     layout = LayerMemoryLayout(pool, num_layers_model=num_layers, layer_start=0, layer_end=num_layers,
                                layer_specs=shapes["layer_specs"], kv=shapes["kv"], groups=shapes["groups"])
     with torch.no_grad():
-        for i, (name, t) in enumerate(sorted(layout.weights().items())):
+        for i, (_name, t) in enumerate(sorted(layout.weights().items())):
             t.fill_(float(i % 7) + 0.5)  # cheap, distinct contents
         del t  # a loop variable left alive would pin the last layer's pages (drop would refuse)
         for x in layout.layers:

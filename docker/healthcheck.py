@@ -55,8 +55,8 @@ def tls_credentials():
     """The cluster's TLS from the config the services read (None: plaintext); health needs no token."""
     import grpc
 
-    from kunserve.shared.credentials import load_tls
     from kunserve.shared.config import load_config
+    from kunserve.shared.credentials import load_tls
 
     tls = load_tls(load_config(None).security)
     if tls is None:

@@ -8,15 +8,15 @@ see kunserve/shared/credentials.py); `dispatcher_channel` / `admin_channel` pres
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
 
 import grpc
 
 from kunserve.shared import credentials
 from kunserve.shared.config import ClusterConfig
-from kunserve.shared.wire.requests import FINISH_NAMES
 from kunserve.shared.rpc import TLS, channel
+from kunserve.shared.wire.requests import FINISH_NAMES
 from kunserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 

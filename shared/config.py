@@ -12,8 +12,9 @@ import dataclasses
 import os
 import pathlib
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from kunserve.shared.policy.overload_policies import OVERLOAD_POLICIES
 

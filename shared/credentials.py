@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 import pathlib
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from kunserve.shared.config import ClusterConfig, ConfigError, SecuritySection
 from kunserve.shared.rpc import TLS, AuthRule, Credential

@@ -81,7 +81,7 @@ class Profile:
                 "samples": [s.to_json() for s in self.samples]}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Profile":
+    def from_json(cls, d: dict[str, Any]) -> Profile:
         try:
             return cls(model=str(d["model"]), dtype=str(d["dtype"]), layers=(int(d["layers"][0]), int(d["layers"][1])),
                        device=str(d["device"]), kunserve=KunServeCostModel.from_dict(d["kunserve"]),

@@ -18,8 +18,9 @@ import asyncio
 import hmac
 import inspect
 import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -305,7 +306,7 @@ async def health_check(address: str, timeout: float = 1.0, service: str = "", tl
         async with channel(address, tls=tls) as ch:
             resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
             return resp.status == health_pb2.HealthCheckResponse.SERVING
-    except (grpc.aio.AioRpcError, asyncio.TimeoutError, OSError):
+    except (TimeoutError, grpc.aio.AioRpcError, OSError):
         return False
 
 

@@ -100,8 +100,9 @@ def check_against_reference(prompt, got: list[int], max_tokens: int) -> None:
     """Assert a greedy generation of the embedded model: all max_tokens tokens, each equal to the dense
     reference's wherever its top-2 margin is clear. Teacher-forced (one reference forward over prompt + got),
     which is the greedy reference up to the first divergence, so long generations stay cheap to check."""
-    from kunserve.shared.model.reference import reference_scores
     from oracle import compare_greedy
+
+    from kunserve.shared.model.reference import reference_scores
 
     assert len(got) == max_tokens, f"{len(got)} tokens, expected {max_tokens}"
     cfg, weights = _embedded_model()

@@ -12,15 +12,15 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import grpc
 
 from kunserve import client
-from kunserve.cli.kunctl import status_groups
 from kunserve.benchkit.stats import RequestResult
 from kunserve.benchkit.trace import TraceRequest
+from kunserve.cli.kunctl import status_groups
 from kunserve.v1 import admin_pb2_grpc, common_pb2
 
 PROMPT_TOKEN_RANGE = (300, 4000)  # clear of the byte range and special ids of the embedded model
@@ -104,7 +104,7 @@ async def wait_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S,
     async with client.dispatcher_channel(address, creds) as ch:
         try:
             await asyncio.wait_for(ch.channel_ready(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ClusterUnreachable(f"cannot reach the dispatcher at {address} (no answer in {timeout_s:.0f} s)") from None
 
 
@@ -121,7 +121,7 @@ async def _sampler(admin_address: str, t0: float, out: list[ClusterSample], stop
                 pass
             try:
                 await asyncio.wait_for(stop.wait(), interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 

@@ -18,18 +18,28 @@ import platform
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from kunserve import client
-from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_ports, with_workers
 from kunserve.benchkit.replay import ClusterUnreachable, ReplayOutcome, drop_periods, replay
 from kunserve.benchkit.stats import RequestResult, best_p50, summarize
+from kunserve.benchkit.trace import (
+    LENGTH_PROFILES,
+    Burst,
+    TraceError,
+    TraceRequest,
+    describe,
+    generate_trace,
+    load_burstgpt_csv,
+    save_trace_csv,
+    scale_lengths,
+    upscale,
+)
+from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_ports, with_workers
 from kunserve.shared.config import ClusterConfig, ConfigError, load_config
 from kunserve.shared.policy.overload_policies import OVERLOAD_POLICIES
 from kunserve.shared.rpc import health_check
-from kunserve.benchkit.trace import (LENGTH_PROFILES, Burst, TraceError, TraceRequest, describe, generate_trace,
-                                   load_burstgpt_csv, save_trace_csv, scale_lengths, upscale)
 
 RESULT_VERSION = 1
 # Defaults sized for the embedded tiny model on a 2-core CPU with 2 workers and a 36 MiB pool (~2k tokens of
@@ -140,7 +150,7 @@ def run_record(outcome: ReplayOutcome, *, policy: str, trace_source: dict, trace
     return {
         "version": RESULT_VERSION,
         "policy": policy,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "host": {"machine": platform.machine(), "python": platform.python_version(), "node": platform.node()},
         "cluster": cluster,
         "trace": {"source": trace_source, **describe(trace)},

@@ -18,11 +18,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from kunserve.shared import credentials
 from kunserve.cli.supervisor import RestartPolicy, Supervisor
+from kunserve.shared import credentials
 from kunserve.shared.config import ClusterConfig, WorkerSection
 from kunserve.shared.process import PARENT_PID_ENV
 from kunserve.shared.rpc import health_check
@@ -272,7 +272,7 @@ class LocalCluster:
         if self._tmp is not None:
             self._tmp.cleanup()
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -41,9 +41,9 @@ def cmd_profile(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     from kunserve.shared.config import ConfigError, load_config
-    from kunserve.shared.process import DeviceError, pick_device, thread_share
-    from kunserve.shared.model.weights import load_model_source
     from kunserve.shared.engine.profiler import BatchTimer, fit_profile, grid_blocks, measure_grid, profile_grid
+    from kunserve.shared.model.weights import load_model_source
+    from kunserve.shared.process import DeviceError, pick_device, thread_share
     from kunserve.shared.profile_files import device_signature, write_profile
 
     console = Console(highlight=False)

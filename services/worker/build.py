@@ -4,19 +4,17 @@ token budget (SLO-aware from a matching cost-model profile, else the fixed one).
 
 from __future__ import annotations
 
-
-
 from kunserve.services.worker.servicer import WorkerIdentity
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
-from kunserve.shared.policy.overload_policies import overload_handling
-from kunserve.shared.policy.token_budget import SLOTokenBudget
-from kunserve.shared.policy.batch_scheduler import FixedTokenBudget, SchedulerConfig, TokenBudget
 from kunserve.shared.log import get_logger
-from kunserve.shared.process import DeviceError, pick_device, thread_share
 from kunserve.shared.memory.errors import MemoryPoolError
 from kunserve.shared.model.weights import load_model_source
+from kunserve.shared.policy.batch_scheduler import FixedTokenBudget, SchedulerConfig, TokenBudget
+from kunserve.shared.policy.overload_policies import overload_handling
+from kunserve.shared.policy.token_budget import SLOTokenBudget
+from kunserve.shared.process import DeviceError, pick_device, thread_share
 from kunserve.shared.profile_files import ProfileError, device_signature, find_profile
 
 MIB = 1024 * 1024

@@ -12,20 +12,21 @@ from dataclasses import dataclass
 
 import grpc
 
-from kunserve.shared.wire.requests import busy_idle_fields, finish_to_pb, sampling_from_pb, stats_to_pb
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest, TokenEvent
 from kunserve.shared.engine.loop import EngineStopped
 from kunserve.shared.engine.pooled import LayerChange, PooledInstance
 from kunserve.shared.epochs import epoch_error
 from kunserve.shared.log import get_logger
-from kunserve.shared.rpc import WORKER_END
 from kunserve.shared.memory.errors import MemoryPoolError
+from kunserve.shared.rpc import WORKER_END
 from kunserve.shared.streams import Shutdown, StreamRegistry
 from kunserve.shared.transfer.service import TransferError
+from kunserve.shared.wire.cluster import busy_idle_fields, engine_stats_to_pb
+from kunserve.shared.wire.requests import finish_to_pb, sampling_from_pb
+from kunserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from .handover import Moved
 from .relayout import TransitionRefused, TransitionRunner
-from kunserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
 @dataclass(frozen=True)
@@ -171,8 +172,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         ident = self.identity
         start, end = self.instance.layer_range
         engine = getattr(self.engine, "engine", None)  # the EngineLoop's Engine: busy / idle / bubble seconds
-        busy_idle = busy_idle_fields(engine.busy_idle()) if hasattr(engine, "busy_idle") else {}
-        return stats_to_pb(
+        busy_idle = busy_idle_fields(engine.busy_idle()) if engine is not None and hasattr(engine, "busy_idle") else {}
+        return engine_stats_to_pb(
             self.engine.stats(), worker_id=ident.worker_id, address=ident.address, timestamp_unix_s=time.time(),
             layer_start=start, layer_end=end, num_layers_model=ident.num_layers_model,
             kv_blocks_undropped=self.undropped_blocks, **self._layout_fields(), **busy_idle,

@@ -23,8 +23,9 @@ and only when constructed on CUDA. It cannot be tested on the CPU CI machines; k
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F

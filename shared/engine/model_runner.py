@@ -17,7 +17,6 @@ from kunserve.shared.engine.kv_storage import KVStorage
 from kunserve.shared.model.config import ModelConfig
 from kunserve.shared.model.weights import Weights
 
-
 # oneDNN with pre-packed weights beats MKL's sgemm for small row counts on CPU: sgemm re-packs the
 # weight matrix on every call, which dominates a decode step (weights do not fit in cache). Measured
 # on the 2-core VM, float32, the tiny model's matrices: rows 2..128 -20..-45% time; 1 row (GEMV) and

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -49,11 +50,11 @@ class ModelConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any], *, name: str = "custom", dtype: str | None = None) -> "ModelConfig":
+    def from_hf_dict(cls, d: Mapping[str, Any], *, name: str = "custom", dtype: str | None = None) -> ModelConfig:
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             archs = d.get("architectures")

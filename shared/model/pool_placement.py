@@ -8,7 +8,7 @@ weight source (a checkpoint, random weights, a peer) into a source of the fused 
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 

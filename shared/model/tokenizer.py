@@ -8,7 +8,8 @@ halfway through a multi-byte character).
 from __future__ import annotations
 
 import pathlib
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 BYTE_BOS = 256
 BYTE_EOS = 257

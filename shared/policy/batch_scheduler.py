@@ -25,9 +25,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kunserve.shared.policy.costmodel import BatchShape
 from kunserve.shared.engine.api import EngineRequest, InvalidRequest
 from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable, blocks_needed
+from kunserve.shared.policy.costmodel import BatchShape
 
 
 class TokenBudget(Protocol):
@@ -89,9 +89,9 @@ _arrival_counter = itertools.count()
 class Swapper(Protocol):
     """Moves a preempted sequence's KV blocks to host memory and back (the engine implements it)."""
 
-    def swap_out(self, seq: "Sequence") -> None: ...
+    def swap_out(self, seq: Sequence) -> None: ...
 
-    def swap_in(self, seq: "Sequence") -> None: ...
+    def swap_in(self, seq: Sequence) -> None: ...
 
 
 @dataclass(eq=False)

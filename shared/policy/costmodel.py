@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass, field
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 Chunk = tuple[int, int]  # (tokens to compute c, prefix tokens already cached p)
@@ -58,14 +58,14 @@ class BatchShape:
         self.attn_pairs += c * (c + p)
         self.attn_kun += p * c + (c * c + c) / 2
 
-    def with_chunk(self, c: int, p: int) -> "BatchShape":
+    def with_chunk(self, c: int, p: int) -> BatchShape:
         out = BatchShape(self.num_chunks, self.tokens, self.context, self.attn_pairs, self.attn_kun)
         if c > 0:
             out.add(c, p)
         return out
 
     @classmethod
-    def of(cls, chunks: Iterable[Chunk]) -> "BatchShape":
+    def of(cls, chunks: Iterable[Chunk]) -> BatchShape:
         s = cls()
         for c, p in chunks:
             if c > 0:
@@ -73,7 +73,7 @@ class BatchShape:
         return s
 
     @classmethod
-    def of_decodes(cls, num_decodes: int, decode_context_tokens: int) -> "BatchShape":
+    def of_decodes(cls, num_decodes: int, decode_context_tokens: int) -> BatchShape:
         """num_decodes one-token chunks whose contexts (including the token itself) sum to
         decode_context_tokens: the shape a scheduler knows before adding prompt chunks."""
         s = cls()
@@ -123,7 +123,7 @@ class KunServeCostModel:
         return [s.attn_kun, float(s.tokens), float(s.num_chunks), 1.0]
 
     @classmethod
-    def from_coefficients(cls, coef: Sequence[float]) -> "KunServeCostModel":
+    def from_coefficients(cls, coef: Sequence[float]) -> KunServeCostModel:
         a, b, u, lam = coef  # u = gamma - lambda
         return cls(alpha=a, beta=b, gamma=u + lam, lam=lam)
 
@@ -131,7 +131,7 @@ class KunServeCostModel:
         return {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma, "lambda": self.lam}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "KunServeCostModel":
+    def from_dict(cls, d: dict[str, Any]) -> KunServeCostModel:
         return cls(float(d["alpha"]), float(d["beta"]), float(d["gamma"]), float(d.get("lambda", 0.0)))
 
 
@@ -165,7 +165,7 @@ class ConServeLatencyModel:
         return [float(s.tokens), float(s.attn_pairs), float(s.tokens + s.context), 1.0]
 
     @classmethod
-    def from_coefficients(cls, coef: Sequence[float]) -> "ConServeLatencyModel":
+    def from_coefficients(cls, coef: Sequence[float]) -> ConServeLatencyModel:
         k1, k2, k4, k5 = coef
         return cls(k1=k1, k2=k2, k3=0.0, k4=k4, k5=k5)
 
@@ -173,7 +173,7 @@ class ConServeLatencyModel:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ConServeLatencyModel":
+    def from_dict(cls, d: dict[str, Any]) -> ConServeLatencyModel:
         return cls(*(float(d.get(k, 0.0)) for k in ("k1", "k2", "k3", "k4", "k5")))
 
 
@@ -194,7 +194,7 @@ class Sample:
         return [self.phase, [list(c) for c in self.chunks], self.seconds]
 
     @classmethod
-    def from_json(cls, v: list[Any]) -> "Sample":
+    def from_json(cls, v: list[Any]) -> Sample:
         phase, chunks, seconds = v
         return cls(str(phase), tuple((int(c), int(p)) for c, p in chunks), float(seconds))
 

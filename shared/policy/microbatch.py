@@ -29,8 +29,9 @@ chunking the request at the boundary: equal token counts, unequal costs.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol
 
 
 class ChunkCostModel(Protocol):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from kunserve.shared.policy.cluster import Member, Range, Unit
 
+
 @dataclass(frozen=True)
 class ModelCost:
     """What the model's layers and KV cost. ``layer_bytes``: weight bytes of one layer (an int when all
@@ -233,7 +234,7 @@ def plan_drop(groups: Sequence[Unit], model: ModelCost, required_bytes: int | No
 
     by_id = {g.unit_id: g for g in groups}
     planned = []
-    for size, gid, insts, merged_from in sorted(heap, key=lambda e: e[1]):
+    for _size, gid, insts, merged_from in sorted(heap, key=lambda e: e[1]):
         if len(merged_from) == 1:
             planned.append(_unchanged(by_id[gid]))
         else:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from kunserve.shared.policy.cluster import Unit
 
+
 class TransitionError(ValueError):
     """The transition cannot be planned (unknown worker, bad ranges, requests that do not fit)."""
 

@@ -6,9 +6,9 @@ Public API: ``TransferService`` (service.py), the kinds ``ACTIVATION``, ``KV_EXC
 ``Transport`` interface with an in-process ``MemoryTransport`` (endpoint.py) and UCX (ucx.py, lazy).
 """
 
+from .chunk_scheduler import PRIORITY, Chunk, ChunkSizer, OutgoingMessage, PriorityScheduler
 from .endpoint import Endpoint, EndpointClosed, MemoryEndpoint, MemoryTransport, Transport
 from .framing import ACTIVATION, CHECKPOINT, CONTROL, KINDS, KV_EXCHANGE, WEIGHTS, FramingError, kind_name
-from .chunk_scheduler import PRIORITY, Chunk, ChunkSizer, OutgoingMessage, PriorityScheduler
 from .service import Received, SendHandle, TraceEvent, TransferConfig, TransferError, TransferService
 
 __all__ = [

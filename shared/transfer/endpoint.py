@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-from typing import Any, Awaitable, Callable, Coroutine, Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -121,7 +122,7 @@ class MemoryEndpoint:
 class MemoryTransport:
     """In-process listeners, found by port number in a registry shared by the transports of one test."""
 
-    def __init__(self, registry: dict[int, "MemoryTransport"] | None = None,
+    def __init__(self, registry: dict[int, MemoryTransport] | None = None,
                  bandwidth_bps: float | None = None, latency_s: float = 0.0) -> None:
         self.registry = {} if registry is None else registry
         self.bandwidth_bps = bandwidth_bps

@@ -39,8 +39,9 @@ import hmac
 import itertools
 import os
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -48,11 +49,26 @@ import torch
 from kunserve.shared.log import get_logger
 from kunserve.v1 import transfer_pb2
 
+from .chunk_scheduler import ChunkSizer, KiB, MiB, OutgoingMessage, PriorityScheduler
 from .endpoint import Endpoint, Transport
-from .framing import (CONTROL, FRAME_MAX, INLINE_MAX, KINDS, TAG_HEADER, TAG_PAYLOAD, FramingError, Kind, byte_view,
-                      decode_frame, encode_frame, kind_name, tensor_meta, torch_dtype, validate_chunk,
-                      validate_first_chunk)
-from .chunk_scheduler import KiB, MiB, ChunkSizer, OutgoingMessage, PriorityScheduler
+from .framing import (
+    CONTROL,
+    FRAME_MAX,
+    INLINE_MAX,
+    KINDS,
+    TAG_HEADER,
+    TAG_PAYLOAD,
+    FramingError,
+    Kind,
+    byte_view,
+    decode_frame,
+    encode_frame,
+    kind_name,
+    tensor_meta,
+    torch_dtype,
+    validate_chunk,
+    validate_first_chunk,
+)
 
 HELLO = "__hello__"
 AUTH = "__auth__"
@@ -512,7 +528,7 @@ class TransferService:
                             await p.endpoint.send(part, TAG_PAYLOAD)
                 except TimeoutError:
                     raise TransferError(p.name, f"{kind_name(msg.kind)} chunk {chunk.index} of message "
-                                                f"{msg.message_id} not sent within {self.config.chunk_timeout_s} s")
+                                                f"{msg.message_id} not sent within {self.config.chunk_timeout_s} s") from None
                 finished = sched.complete(chunk, time.perf_counter() - t0)
                 p.bytes_sent += chunk.nbytes
                 self._trace("send", p.name, msg.kind, msg.message_id, chunk.index, chunk.nbytes, finished)

@@ -13,8 +13,9 @@ requests itself and ``_Progress`` completes them: the asyncio loop watches the U
 on every event, and right after posting a request, it progresses the worker, resolves the futures of
 completed requests, and re-arms the worker (``ucp_worker_arm``), repeating while arming reports pending
 events. A sweep progresses for at most ``SWEEP_BUDGET_S``, then yields to the loop and continues with
-``call_soon``, so a streaming transfer never blocks the event loop for long. An idle process then uses ~0% CPU and a message is handled as soon as its bytes arrive. A slow
-safety sweep (``SAFETY_SWEEP_S``) runs while requests are pending, in case an event is ever missed.
+``call_soon``, so a streaming transfer never blocks the event loop for long. An idle process then uses
+~0% CPU and a message is handled as soon as its bytes arrive. A slow safety sweep (``SAFETY_SWEEP_S``)
+runs while requests are pending, in case an event is ever missed.
 ucxx's blocking-mode progress task is created (ucxx expects it) but its reader is replaced and its
 tasks cancelled, so only this class progresses the worker on this loop.
 
@@ -71,7 +72,7 @@ def ucx_available() -> bool:
 class _Progress:
     """Completes tag requests of one UCX worker on one asyncio loop (see the module docstring)."""
 
-    _instances: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Progress]" = weakref.WeakKeyDictionary()
+    _instances: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Progress] = weakref.WeakKeyDictionary()
 
     @classmethod
     def get(cls, loop: asyncio.AbstractEventLoop) -> _Progress:

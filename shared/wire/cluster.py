@@ -1,9 +1,15 @@
-"""Conversions of the cluster's state between protobuf and plain data, both ways: a worker's report, the
-monitor's cluster status and the memory manager's layout. The services call these at their edge, so the
-policies (`kunserve.shared.policy`) never see a wire message."""
+"""Conversions of the cluster's state between protobuf and plain data, both ways: a worker's report (and
+the one a worker builds from its engine's stats), the monitor's cluster status and the memory manager's
+layout. The services call these at their edge, so the policies (`kunserve.shared.policy`) never see a
+wire message."""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+from kunserve.shared.engine.accounting import BusyIdle
+from kunserve.shared.engine.api import EngineStats
 from kunserve.shared.policy.cluster import Member, WorkerReport
 from kunserve.shared.policy.cluster_layout import LayoutEntry, LayoutState
 from kunserve.shared.policy.cluster_load import ClusterStatus
@@ -58,3 +64,24 @@ def layout_to_pb(layout: LayoutState) -> memory_manager_pb2.ClusterLayout:
     return memory_manager_pb2.ClusterLayout(
         epoch=layout.epoch, num_layers_model=layout.num_layers_model,
         workers=[layout_entry_to_pb(e) for _, e in sorted(layout.workers.items())])
+
+
+def busy_idle_fields(b: BusyIdle) -> dict[str, float]:
+    """WorkerStats fields from an accounting.BusyIdle snapshot (pass them to engine_stats_to_pb as extras)."""
+    return {"busy_seconds_total": b.busy_s, "idle_seconds_total": b.idle_s, "bubble_seconds_total": b.bubble_s,
+            "bubble_ratio": b.bubble_ratio}
+
+
+def engine_stats_to_pb(s: EngineStats, now: float | None = None, **extra: Any) -> common_pb2.WorkerStats:
+    """`now`: the engine's clock (time.monotonic()) at which the oldest waiting request's age is taken; the
+    default is the current time, so a snapshot the engine cached an iteration ago still reports the age now."""
+    if s.oldest_waiting_arrival is None:
+        age = 0.0
+    else:
+        age = max(0.0, (time.monotonic() if now is None else now) - s.oldest_waiting_arrival)
+    return common_pb2.WorkerStats(
+        kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used, block_size=s.block_size,
+        num_running=s.num_running, num_waiting=s.num_waiting, queued_demand_blocks=s.queued_demand_blocks,
+        num_preemptions=s.num_preemptions, prompt_tokens_total=s.prompt_tokens_total,
+        generated_tokens_total=s.generated_tokens_total, oldest_waiting_age_s=age, **extra,
+    )

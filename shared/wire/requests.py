@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
-from kunserve.shared.engine.api import EngineStats, FinishReason, SamplingParams
+from kunserve.shared.engine.api import FinishReason, SamplingParams
 from kunserve.v1 import common_pb2
 
 DEFAULT_MAX_TOKENS = 16
 
-_FINISH_TO_PB = {
+_FINISH_TO_PB: dict[FinishReason, common_pb2.FinishReason] = {
     FinishReason.NONE: common_pb2.FINISH_REASON_UNSPECIFIED,
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -20,7 +17,7 @@ _FINISH_TO_PB = {
 FINISH_NAMES = {v: k.value for k, v in _FINISH_TO_PB.items()}
 
 
-def finish_to_pb(reason: FinishReason) -> int:
+def finish_to_pb(reason: FinishReason) -> common_pb2.FinishReason:
     # LOST never reaches a client: the worker ends such a stream with UNAVAILABLE (the dispatcher resumes it)
     return _FINISH_TO_PB.get(reason, common_pb2.FINISH_REASON_ABORTED)
 
@@ -47,24 +44,3 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     if p.seed is not None:
         msg.seed = p.seed
     return msg
-
-
-def busy_idle_fields(b) -> dict[str, float]:
-    """WorkerStats fields from an accounting.BusyIdle snapshot (pass them to stats_to_pb as extras)."""
-    return {"busy_seconds_total": b.busy_s, "idle_seconds_total": b.idle_s, "bubble_seconds_total": b.bubble_s,
-            "bubble_ratio": b.bubble_ratio}
-
-
-def stats_to_pb(s: EngineStats, now: float | None = None, **extra: Any) -> common_pb2.WorkerStats:
-    """`now`: the engine's clock (time.monotonic()) at which the oldest waiting request's age is taken; the
-    default is the current time, so a snapshot the engine cached an iteration ago still reports the age now."""
-    if s.oldest_waiting_arrival is None:
-        age = 0.0
-    else:
-        age = max(0.0, (time.monotonic() if now is None else now) - s.oldest_waiting_arrival)
-    return common_pb2.WorkerStats(
-        kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used, block_size=s.block_size,
-        num_running=s.num_running, num_waiting=s.num_waiting, queued_demand_blocks=s.queued_demand_blocks,
-        num_preemptions=s.num_preemptions, prompt_tokens_total=s.prompt_tokens_total,
-        generated_tokens_total=s.generated_tokens_total, oldest_waiting_age_s=age, **extra,
-    )

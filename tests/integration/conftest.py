@@ -7,8 +7,8 @@ children die with the test process (PDEATHSIG) if pytest itself is killed.
 from __future__ import annotations
 
 import pytest
-
 from helpers import make_config
+
 from kunserve.cli.launcher import LocalCluster
 
 

@@ -18,8 +18,8 @@ import time
 
 import grpc
 import pytest
-
 from helpers import check_against_reference, make_config, run
+
 from kunserve import client
 from kunserve.cli.launcher import LocalCluster
 from kunserve.services.dispatcher.servicer import RETRY_PUSHBACK_KEY

@@ -11,10 +11,10 @@ import time
 
 import grpc
 import pytest
-
 from helpers import generate_many, internal_channel, kunctl_argv, reference_for, run
-from kunserve import client
 from oracle import compare_greedy
+
+from kunserve import client
 
 pytestmark = pytest.mark.integration
 

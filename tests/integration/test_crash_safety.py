@@ -20,8 +20,8 @@ import threading
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from helpers import admin_channel, check_against_reference, internal_channel, make_config, run
+
 from kunserve import client
 from kunserve.cli.launcher import LocalCluster
 from kunserve.shared.faults import FAULT_ENV, FAULT_EXIT_CODE

@@ -12,8 +12,8 @@ import random
 
 import grpc
 import pytest
-
 from helpers import admin_channel, check_against_reference, internal_channel, make_config, run
+
 from kunserve import client
 from kunserve.cli.launcher import LocalCluster, free_port
 from kunserve.v1 import common_pb2, memory_manager_pb2, memory_manager_pb2_grpc

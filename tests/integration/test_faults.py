@@ -12,8 +12,8 @@ import time
 
 import grpc
 import pytest
-
 from helpers import check_against_reference, generate_many, kunctl_argv, run
+
 from kunserve import client
 
 pytestmark = pytest.mark.integration

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
 from helpers import generate_many, make_config, run
+from oracle import compare_greedy
+
 from kunserve import client
 from kunserve.cli.launcher import LocalCluster
 from kunserve.shared.model.config import TINY_CONFIG
 from kunserve.shared.model.reference import reference_greedy
 from kunserve.shared.model.weights import random_weights, save_checkpoint
-from oracle import compare_greedy
 
 pytestmark = pytest.mark.integration
 

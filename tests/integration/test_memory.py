@@ -6,10 +6,10 @@ import json
 import subprocess
 
 import pytest
-
 from helpers import generate_many, kunctl_argv, reference_for, run
-from kunserve import client
 from oracle import compare_greedy
+
+from kunserve import client
 
 pytestmark = pytest.mark.integration
 

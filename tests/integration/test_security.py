@@ -19,9 +19,8 @@ import time
 
 import grpc
 import pytest
+from helpers import admin_channel, generate_many, internal_channel, kunctl_argv, make_config, rpc_outcome, run
 
-from helpers import (admin_channel, generate_many, internal_channel, kunctl_argv, make_config, rpc_outcome,
-                     run)
 from kunserve import client
 from kunserve.cli.launcher import LocalCluster
 from kunserve.shared import rpc

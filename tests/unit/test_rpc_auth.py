@@ -12,8 +12,8 @@ import contextlib
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
 from helpers import rpc_outcome
+
 from kunserve.shared import rpc
 from kunserve.v1 import common_pb2, monitor_pb2_grpc, worker_pb2, worker_pb2_grpc
 

@@ -80,6 +80,7 @@ def test_default_files_are_private_and_kept(tmp_path):
 
 def test_local_cluster_writes_its_own_credentials_into_its_run_dir(tmp_path, monkeypatch):
     from helpers import make_config
+
     from kunserve.cli.launcher import LocalCluster
 
     monkeypatch.setenv("KUNSERVE_HOME", str(tmp_path / "home"))

@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from kunserve.cli import bench
 from kunserve.benchkit.plots import plot_compare, plot_run
-from kunserve.cli.main import build_parser
 from kunserve.benchkit.replay import ClusterSample, drop_periods, prompt_ids, sample_from_status
 from kunserve.benchkit.stats import RequestResult, summarize
 from kunserve.benchkit.trace import TraceRequest, save_trace_csv
+from kunserve.cli import bench
+from kunserve.cli.main import build_parser
 from kunserve.v1 import admin_pb2, common_pb2, memory_manager_pb2, monitor_pb2
 
 

@@ -9,10 +9,18 @@ import grpc
 import pytest
 
 from kunserve.cli import kunctl
-from kunserve.cli.kunctl import (Requirement, build_parser, format_groups, format_plan, format_report,
-                                 parse_group, parse_requirement, status_groups)
-from kunserve.v1 import admin_pb2, common_pb2, memory_manager_pb2 as mm, memory_manager_pb2_grpc, monitor_pb2
-
+from kunserve.cli.kunctl import (
+    Requirement,
+    build_parser,
+    format_groups,
+    format_plan,
+    format_report,
+    parse_group,
+    parse_requirement,
+    status_groups,
+)
+from kunserve.v1 import admin_pb2, common_pb2, memory_manager_pb2_grpc, monitor_pb2
+from kunserve.v1 import memory_manager_pb2 as mm
 
 # --- --require -----------------------------------------------------------------------------------------------
 

@@ -115,7 +115,7 @@ class LayoutMachine(RuleBasedStateMachine):
             except LayerRangeError:
                 assert (lay.layer_start, lay.layer_end, lay.num_blocks, lay.generation) == before
                 return
-            raise AssertionError(f"drop {layers} succeeded though plan_drop refused it")
+            raise AssertionError(f"drop {layers} succeeded though plan_drop refused it") from None
         lay.drop_layers(layers)
         for x in layers:
             self.bases.pop(x)

@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
+from engine_testing import check_greedy, one_torch_thread  # noqa: F401 - fixture
 from safetensors.torch import save_file
 
-from engine_testing import check_greedy, one_torch_thread  # noqa: F401 - fixture
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine
 from kunserve.shared.model.config import TINY_CONFIG, ModelConfig

@@ -11,10 +11,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kunserve.shared.policy.costmodel import (BatchShape, ConServeLatencyModel, KunServeCostModel, Sample, fit_conserve,
-                                       fit_kunserve, nnls, relative_errors, split_holdout)
-from kunserve.shared.profile_files import (Profile, ProfileError, device_signature, find_profile, profile_key,
-                                      read_profiles, write_profile)
+from kunserve.shared.policy.costmodel import (
+    BatchShape,
+    ConServeLatencyModel,
+    KunServeCostModel,
+    Sample,
+    fit_conserve,
+    fit_kunserve,
+    nnls,
+    relative_errors,
+    split_holdout,
+)
+from kunserve.shared.profile_files import Profile, ProfileError, device_signature, find_profile, profile_key, read_profiles, write_profile
 
 KUN = KunServeCostModel(alpha=9e-8, beta=8.5e-5, gamma=3.7e-3, lam=3.5e-3)
 CON = ConServeLatencyModel(k1=8.8e-5, k2=6e-8, k3=0.0, k4=9.6e-7, k5=3.2e-3)
@@ -188,9 +196,9 @@ def test_device_signature_names_the_thread_count():
 def test_profiler_times_every_phase_on_any_layer_range():
     import torch
 
+    from kunserve.shared.engine.profiler import BatchTimer, fit_profile, grid_blocks, measure_grid, profile_grid
     from kunserve.shared.model.config import TINY_CONFIG
     from kunserve.shared.model.weights import random_weights
-    from kunserve.shared.engine.profiler import BatchTimer, fit_profile, grid_blocks, measure_grid, profile_grid
 
     torch.set_num_threads(1)
     cfg = TINY_CONFIG.replace(num_layers=2, name="small")

@@ -11,8 +11,15 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kunserve.shared.policy.costmodel import KunServeCostModel
-from kunserve.shared.policy.microbatch import (MicroChunk, MicrobatchFormer, WorkItem, lookahead_microbatches,
-                                               microbatch_cost, split_batch, token_microbatches)
+from kunserve.shared.policy.microbatch import (
+    MicrobatchFormer,
+    MicroChunk,
+    WorkItem,
+    lookahead_microbatches,
+    microbatch_cost,
+    split_batch,
+    token_microbatches,
+)
 
 MODEL = KunServeCostModel(alpha=9e-8, beta=8.5e-5, gamma=3.7e-3, lam=3.5e-3)
 

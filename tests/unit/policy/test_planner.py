@@ -106,7 +106,7 @@ def test_uneven_layers_and_sizes_still_cover_exactly_once():
 
 def test_random_layouts_are_deterministic_and_valid():
     rng = random.Random(7)
-    for trial in range(200):
+    for _trial in range(200):
         n = rng.randint(1, 12)
         sizes = []
         left = n

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from kunserve.shared.wire.requests import stats_to_pb
+from test_scheduler import advance, seq
+
 from kunserve.shared.engine.api import EngineStats
 from kunserve.shared.engine.kv_blocks import BlockAllocator
 from kunserve.shared.policy.batch_scheduler import Scheduler, SchedulerConfig
-
-from test_scheduler import advance, seq
+from kunserve.shared.wire.cluster import engine_stats_to_pb
 
 
 def test_oldest_waiting_arrival_counts_requests_without_a_token():
@@ -35,8 +35,8 @@ def test_requests_without_an_arrival_stamp_are_not_counted():
 def test_stats_carry_the_age_at_send_time():
     base = EngineStats(kv_blocks_total=10, kv_blocks_used=1, block_size=16, num_running=1, num_waiting=1,
                        queued_demand_blocks=1, num_preemptions=0, prompt_tokens_total=5, generated_tokens_total=2)
-    assert stats_to_pb(base).oldest_waiting_age_s == 0.0
+    assert engine_stats_to_pb(base).oldest_waiting_age_s == 0.0
     waiting = dataclasses.replace(base, oldest_waiting_arrival=100.0)
-    assert stats_to_pb(waiting, now=107.5).oldest_waiting_age_s == 7.5
-    assert stats_to_pb(waiting, now=90.0).oldest_waiting_age_s == 0.0  # never negative
-    assert stats_to_pb(waiting, now=101.0, worker_id="w").worker_id == "w"
+    assert engine_stats_to_pb(waiting, now=107.5).oldest_waiting_age_s == 7.5
+    assert engine_stats_to_pb(waiting, now=90.0).oldest_waiting_age_s == 0.0  # never negative
+    assert engine_stats_to_pb(waiting, now=101.0, worker_id="w").worker_id == "w"

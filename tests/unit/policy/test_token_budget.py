@@ -8,17 +8,17 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_testing import check_greedy, one_torch_thread, weights_for  # noqa: F401 - fixture
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_testing import check_greedy, one_torch_thread, weights_for  # noqa: F401 - fixture
-from kunserve.shared.policy.costmodel import BatchShape, ConServeLatencyModel
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
-from kunserve.shared.policy.token_budget import SLOTokenBudget
 from kunserve.shared.engine.engine import Engine
 from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable
-from kunserve.shared.policy.batch_scheduler import FixedTokenBudget, Scheduler, SchedulerConfig, Sequence
 from kunserve.shared.model.config import TINY_CONFIG
+from kunserve.shared.policy.batch_scheduler import FixedTokenBudget, Scheduler, SchedulerConfig, Sequence
+from kunserve.shared.policy.costmodel import BatchShape, ConServeLatencyModel
+from kunserve.shared.policy.token_budget import SLOTokenBudget
 
 CON = ConServeLatencyModel(k1=8.8e-5, k2=6e-8, k3=0.0, k4=9.6e-7, k5=3.2e-3)
 

@@ -9,7 +9,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kunserve.shared.policy.cluster import Member, Unit
-from kunserve.shared.policy.transition_plan import Flow, FlowPart, SeqMove, TransitionError, assign_restore_targets, assign_tables, check_unit, check_units, kv_flows, unit_of
+from kunserve.shared.policy.transition_plan import (
+    Flow,
+    FlowPart,
+    SeqMove,
+    TransitionError,
+    assign_restore_targets,
+    assign_tables,
+    check_unit,
+    check_units,
+    kv_flows,
+    unit_of,
+)
 
 L = 4  # layers of the model in the hand-written cases
 

@@ -2,8 +2,6 @@
 
 from dataclasses import replace
 
-import pytest
-
 from kunserve.shared.policy.cluster import Member, WorkerReport
 from kunserve.shared.policy.cluster_load import ClusterLoad
 from kunserve.shared.policy.overload import DROP, RESTORE, OverloadConfig, OverloadPolicy

@@ -8,9 +8,9 @@ import pytest
 
 from kunserve.services.worker.build import make_token_budget
 from kunserve.shared.config import ConfigError, config_from_dict, validate
+from kunserve.shared.policy.batch_scheduler import FixedTokenBudget
 from kunserve.shared.policy.costmodel import ConServeLatencyModel, KunServeCostModel
 from kunserve.shared.policy.token_budget import SLOTokenBudget
-from kunserve.shared.policy.batch_scheduler import FixedTokenBudget
 from kunserve.shared.profile_files import Profile, device_signature, write_profile
 
 CON = ConServeLatencyModel(k1=8.8e-5, k2=6e-8, k3=0.0, k4=9.6e-7, k5=3.2e-3)

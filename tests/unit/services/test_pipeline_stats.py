@@ -7,9 +7,9 @@ import io
 import sys
 
 from kunserve.cli.kunctl import render_status
-from kunserve.shared.wire.requests import busy_idle_fields, stats_to_pb
 from kunserve.shared.engine.accounting import BusyIdle
 from kunserve.shared.engine.api import EngineStats
+from kunserve.shared.wire.cluster import busy_idle_fields, engine_stats_to_pb
 from kunserve.v1 import admin_pb2, memory_manager_pb2, monitor_pb2
 
 
@@ -18,7 +18,7 @@ def _stats(**extra):
                      queued_demand_blocks=0, num_preemptions=0, prompt_tokens_total=5, generated_tokens_total=3)
     fields = {"worker_id": "worker-0", "address": "127.0.0.1:1", "layer_start": 0, "layer_end": 4,
               "num_layers_model": 4, **extra}
-    return stats_to_pb(es, **fields)
+    return engine_stats_to_pb(es, **fields)
 
 
 def test_worker_stats_carry_busy_idle_and_bubble():

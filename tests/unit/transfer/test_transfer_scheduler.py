@@ -6,9 +6,18 @@ import numpy as np
 import pytest
 import torch
 
-from kunserve.shared.transfer import (ACTIVATION, CHECKPOINT, CONTROL, KV_EXCHANGE, WEIGHTS, ChunkSizer,
-                                      FramingError, OutgoingMessage, PriorityScheduler)
-from kunserve.shared.transfer import framing
+from kunserve.shared.transfer import (
+    ACTIVATION,
+    CHECKPOINT,
+    CONTROL,
+    KV_EXCHANGE,
+    WEIGHTS,
+    ChunkSizer,
+    FramingError,
+    OutgoingMessage,
+    PriorityScheduler,
+    framing,
+)
 from kunserve.v1 import transfer_pb2
 
 MiB = 1 << 20

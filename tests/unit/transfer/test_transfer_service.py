@@ -6,8 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from kunserve.shared.transfer import (ACTIVATION, CHECKPOINT, CONTROL, KV_EXCHANGE, WEIGHTS, MemoryTransport,
-                                      TransferConfig, TransferError, TransferService)
+from kunserve.shared.transfer import (
+    ACTIVATION,
+    CHECKPOINT,
+    CONTROL,
+    KV_EXCHANGE,
+    WEIGHTS,
+    MemoryTransport,
+    TransferConfig,
+    TransferError,
+    TransferService,
+)
 from kunserve.shared.transfer.framing import TAG_HEADER
 
 MiB = 1 << 20

@@ -14,8 +14,7 @@ import threading
 import pytest
 import torch
 
-from kunserve.shared.transfer import (ACTIVATION, CONTROL, KV_EXCHANGE, WEIGHTS, TransferConfig, TransferError,
-                                      TransferService)
+from kunserve.shared.transfer import ACTIVATION, CONTROL, KV_EXCHANGE, WEIGHTS, TransferConfig, TransferError, TransferService
 from kunserve.shared.transfer.peer import READY
 from kunserve.shared.transfer.ucx import ucx_available
 
