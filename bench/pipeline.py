@@ -97,7 +97,7 @@ def iqr_spread(xs: list[float]) -> float:
 def profile_stage(cfg: ModelConfig, weights, layers: tuple[int, int], device: str, quick: bool, max_len: int):
     grid = profile_grid(max_len, quick=quick)
     # a later stage builds its microbatch's attention metadata itself (StageBatch.metadata): timed with it
-    timer = BatchTimer(cfg, weights, layers, device, max_blocks=grid_blocks(grid, BLOCK_SIZE), time_metadata=True)
+    timer = BatchTimer(cfg, weights, layers, device, max_blocks=grid_blocks(grid, BLOCK_SIZE))
     samples = measure_grid(timer, grid, repeats=3 if quick else 5)
     return fit_profile(samples, model=cfg.name, dtype=cfg.dtype, layers=layers, device_sig=device)
 

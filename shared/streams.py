@@ -50,9 +50,10 @@ class StreamRegistry(Generic[T]):
         loop = self._loop
         if loop is None or loop.is_closed():
             return
-        loop.call_soon_threadsafe(self._put, key, item)
+        loop.call_soon_threadsafe(self.put, key, item)
 
-    def _put(self, key: str, item: Any) -> None:
+    def put(self, key: str, item: Any) -> None:
+        """On the event loop: hand an item to the stream's queue (nothing when the stream is gone)."""
         q = self._queues.get(key)
         if q is not None:
             q.put_nowait(item)

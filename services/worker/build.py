@@ -70,6 +70,9 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Pooled
         raise WorkerBuildError(f"workers[{worker_id}]: layer range [{start}, {end}) is not within the model's "
                                f"{mcfg.num_layers} layers")
     e = cfg.engine
+    threads = thread_share(cfg)
+    budget, why = make_token_budget(cfg, model=source.name, dtype=mcfg.dtype, layers=(start, end), device=device,
+                                    threads=threads)
     try:
         instance = PooledInstance(
             source, layer_range=(start, end), pool_bytes=e.pool_mib * MIB, page_size=e.page_kib * 1024,
@@ -77,15 +80,11 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Pooled
             scheduler_config=SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens,
                                              max_num_seqs=e.max_num_seqs,
                                              preemption=overload_handling(cfg.policy.overload).preemption),
-            keep_host_copy=e.host_copy)
+            budget=budget, keep_host_copy=e.host_copy)
     except MemoryPoolError as exc:
         raise WorkerBuildError(f"memory pool: {exc} (engine.pool_mib = {e.pool_mib}, page_kib = {e.page_kib})") from None
     except (OSError, ValueError) as exc:
         raise WorkerBuildError(f"cannot load model weights: {exc}") from None
-    threads = thread_share(cfg)
-    budget, why = make_token_budget(cfg, model=source.name, dtype=mcfg.dtype, layers=(start, end), device=device,
-                                    threads=threads)
-    instance.engine.scheduler.budget = budget
     log = get_logger()
     (log.warning if why.startswith("fallback") else log.info)("token_budget", budget=why)
     loop = EngineLoop(instance.engine, num_threads=threads)

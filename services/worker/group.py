@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kunserve.shared.engine import stage_wire
-from kunserve.shared.engine.engine import Engine, GroupBroken
+from kunserve.shared.engine.engine import GroupBroken
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.stage_wire import StageBatch
 from kunserve.shared.log import get_logger
@@ -145,14 +145,11 @@ class StageRunner:
             self.link.deliver(mb_id, msg.data)
         elif name == MB and not role.is_head and msg.peer == members[role.index - 1]:
             batch, hidden = stage_wire.decode(msg.data, self.dtype)
-            fut = self.engine_loop.call(lambda engine: self._forward(engine, batch, hidden))
+            fut = self.engine_loop.call(lambda engine: engine.forward_stage(batch, hidden))
             loop = asyncio.get_running_loop()
             fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._forward_done, role, batch, f))
         else:
             self.log.warning("unexpected_activation", name=name, peer=msg.peer)
-
-    def _forward(self, engine: Engine, batch: StageBatch, hidden: torch.Tensor) -> torch.Tensor:
-        return engine.forward_stage(batch, hidden)
 
     def _forward_done(self, role: GroupRole, batch: StageBatch, fut) -> None:
         if role is not self.role:

@@ -63,7 +63,7 @@ class StreamHandover:
         """End the streams of requests that left (request id -> their new head) with Moved."""
         for rid, target in moved.items():
             self.engine_loop.forget(rid)
-            self.streams._put(rid, Moved(target))
+            self.streams.put(rid, Moved(target))
 
     def _expire_unattached(self, rid: str) -> None:
         """Nobody attached to a request that moved here (its client is gone): free it."""

@@ -66,7 +66,9 @@ class Engine:
     """One model instance: add requests, call step() until has_work() is False.
 
     num_kv_blocks sizes the default torch-allocated cache; with `kv_storage` (the memory pool's
-    layout) the storage's own num_blocks wins and `sync_kv_capacity()` follows later changes."""
+    layout) the storage's own num_blocks wins and `sync_kv_capacity()` follows later changes. An engine over
+    part of the layers serves nothing until it heads a group (`become_head`) or computes as a later stage
+    (`become_stage`)."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights, *, num_kv_blocks: int = 0, block_size: int = 16,
                  device: str | torch.device = "cpu", layer_range: tuple[int, int] | None = None,
@@ -81,8 +83,6 @@ class Engine:
         self.device = torch.device(device)
         self.pack_weights = pack_weights
         self.runner = ModelRunner(cfg, weights, layer_range, self.device, pack_weights=pack_weights)
-        if not (self.runner.is_first and self.runner.is_last):
-            raise ValueError("a single-instance engine needs the whole model; pipeline stages come with groups")
         self.kv = kv_storage or TorchKVStorage(range(self.runner.start, self.runner.end), num_kv_blocks,
                                                cfg.num_kv_heads, block_size, cfg.head_dim, cfg.torch_dtype, self.device)
         cache = self.kv.layer_cache(self.runner.start)
@@ -399,7 +399,7 @@ class Engine:
             used.extend(snap.blocks)
             self.seqs[seq.request_id] = seq
             if seq.block_table:
-                self.scheduler._insert(self.scheduler.running, seq)
+                self.scheduler.add_running(seq)
             else:
                 self.scheduler.add(seq)
         self.allocator.take(used)

@@ -146,10 +146,8 @@ def local_group(cfg: ModelConfig, weights: Weights, ranges: Sequence[tuple[int, 
                          f"[0, {cfg.num_layers})")
 
     def member(layers: tuple[int, int]) -> Engine:
-        eng = Engine(cfg, weights, num_kv_blocks=num_kv_blocks, block_size=block_size, device=device,
-                     scheduler_config=scheduler_config, pack_weights=pack_weights)
-        eng.use_weights(weights, layers)
-        return eng
+        return Engine(cfg, weights, num_kv_blocks=num_kv_blocks, block_size=block_size, device=device,
+                      layer_range=layers, scheduler_config=scheduler_config, pack_weights=pack_weights)
 
     stages = [member(r) for r in ranges[1:]]
     for stage in stages:

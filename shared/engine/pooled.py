@@ -23,7 +23,7 @@ from kunserve.shared.memory.errors import KVCapacityError, MemoryPoolError
 from kunserve.shared.memory.layer_memory import RemapResult
 from kunserve.shared.model.pool_placement import build_model_layout, fused_source
 from kunserve.shared.model.weights import ModelSource
-from kunserve.shared.policy.batch_scheduler import SchedulerConfig
+from kunserve.shared.policy.batch_scheduler import SchedulerConfig, TokenBudget
 
 WEIGHT_SOURCES = ("host", "checkpoint")
 
@@ -46,7 +46,8 @@ class LayerChange:
 class PooledInstance:
     def __init__(self, source: ModelSource, *, layer_range: tuple[int, int], pool_bytes: int, page_size: int,
                  block_size: int, backend: str = "auto", device: str = "cpu",
-                 scheduler_config: SchedulerConfig | None = None, keep_host_copy: bool = True) -> None:
+                 scheduler_config: SchedulerConfig | None = None, budget: TokenBudget | None = None,
+                 keep_host_copy: bool = True) -> None:
         self.source = source
         self.cfg = source.config
         self.device = device
@@ -62,8 +63,8 @@ class PooledInstance:
         self.host_copy: dict[str, torch.Tensor] | None = self.layout.host_copy() if keep_host_copy else None
         self._host_range = layer_range
         self.engine = Engine(self.cfg, self.layout.weights(), block_size=block_size, device=device,
-                             layer_range=layer_range, scheduler_config=scheduler_config, kv_storage=self.layout,
-                             pack_weights=False)
+                             layer_range=layer_range, scheduler_config=scheduler_config, budget=budget,
+                             kv_storage=self.layout, pack_weights=False)
 
     # -- state -------------------------------------------------------------------------------------------
     @property

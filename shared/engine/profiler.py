@@ -39,7 +39,7 @@ class BatchTimer:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, layer_range: tuple[int, int] | None = None,
                  device: str | torch.device = "cpu", *, block_size: int = 16, max_blocks: int = 1024,
-                 pack_weights: bool | None = None, seed: int = 0, time_metadata: bool = True) -> None:
+                 pack_weights: bool | None = None, seed: int = 0) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
         self.block_size = block_size
@@ -47,9 +47,6 @@ class BatchTimer:
         self.kv = TorchKVStorage(range(self.runner.start, self.runner.end), max_blocks, cfg.num_kv_heads,
                                  block_size, cfg.head_dim, cfg.torch_dtype, self.device)
         self.max_blocks = max_blocks
-        # An engine iteration builds its attention metadata itself (time_metadata=True); a pipeline
-        # stage receives it ready-made from the head (False: the forward alone is timed).
-        self.time_metadata = time_metadata
         self._gen = torch.Generator().manual_seed(seed)
 
     def blocks_for(self, chunks: Iterable[Chunk]) -> int:
@@ -91,7 +88,8 @@ class BatchTimer:
             torch.cuda.synchronize(self.device)
 
     def run(self, chunks: tuple[Chunk, ...]) -> float:
-        """Seconds for one forward of this batch (metadata build included)."""
+        """Seconds for one forward of this batch, metadata build included: every engine, a pipeline stage's
+        too, builds its own attention metadata each iteration."""
         inputs, positions, slot_b, slot_o, decodes, prefills, logit_rows = self._inputs(chunks)
         dev = self.device
         self._sync()
@@ -101,9 +99,6 @@ class BatchTimer:
         if self.runner.is_last and len(logit_rows) != len(positions):
             rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        if not self.time_metadata:
-            self._sync()
-            t0 = time.perf_counter()
         out = self.runner.forward(inputs, pos, self.kv, meta, rows)
         out = out.cpu()
         self._sync()

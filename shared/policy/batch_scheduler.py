@@ -195,6 +195,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self._insert(self.waiting, seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A request whose KV is already in place (a transition handed it over with its block table)."""
+        self._insert(self.running, seq)
+
     @staticmethod
     def _insert(queue: list[Sequence], seq: Sequence) -> None:
         i = len(queue)

@@ -23,8 +23,6 @@ from kunserve.shared.engine import stage_wire
 from kunserve.shared.engine.api import EngineRequest, FinishReason, SamplingParams, SeqSnapshot, TokenEvent
 from kunserve.shared.engine.engine import Engine, GroupBroken, NotServing, SchedulerConfig
 from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable
-from kunserve.shared.engine.kv_storage import TorchKVStorage
-from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.model.config import TINY_CONFIG
 from kunserve.shared.model.reference import reference_scores
 from kunserve.shared.policy.batch_scheduler import Scheduler, Sequence
@@ -48,10 +46,10 @@ class FakeLink:
         self.rng = random.Random(seed)
         self.max_spontaneous = max_spontaneous  # stage work done per result() call before looking
         self.stages = []
-        for a, b in ranges[1:]:
-            runner = ModelRunner(CFG, weights, (a, b))
-            kv = TorchKVStorage(range(a, b), num_blocks, CFG.num_kv_heads, block_size, CFG.head_dim, CFG.torch_dtype)
-            self.stages.append((runner, kv))
+        for layers in ranges[1:]:
+            stage = Engine(CFG, weights, num_kv_blocks=num_blocks, block_size=block_size, layer_range=layers)
+            stage.become_stage()
+            self.stages.append(stage)
         self.queues: list[collections.deque] = [collections.deque() for _ in self.stages]
         self.done: dict[int, torch.Tensor] = {}
         self.outstanding: collections.deque[int] = collections.deque()  # sent, result not taken yet
@@ -74,11 +72,9 @@ class FakeLink:
         if any(self.queues[j] for j in range(i + 1, len(self.queues))):
             self.out_of_order_stage_work += 1
         batch, hidden = stage_wire.decode(self.queues[i].popleft(), CFG.torch_dtype)
-        runner, kv = self.stages[i]
-        dev = torch.device("cpu")
-        out = runner.forward(hidden, batch.positions_tensor(dev), kv, batch.metadata(self.block_size, dev),
-                             batch.rows_tensor(dev) if runner.is_last else None)
-        if runner.is_last:
+        stage = self.stages[i]
+        out = stage.forward_stage(batch, hidden)
+        if stage.runner.is_last:
             self.done[batch.mb_id] = out.float()
         else:
             self.queues[i + 1].append(stage_wire.encode(batch, out))
@@ -338,9 +334,9 @@ def test_group_head_drains_then_hands_its_requests_to_a_whole_engine():
     assert not head._inflight and not head.scheduler.pinned and not link.outstanding
     snaps = head.snapshot()
     whole = make_whole(SNAP_BLOCKS, SNAP_SCHED)
-    (stage_runner, stage_kv), = link.stages
+    (stage,) = link.stages
     for layer in range(CFG.num_layers):
-        src = head.kv if layer < stage_runner.start else stage_kv
+        src = head.kv if layer < stage.runner.start else stage.kv
         whole.kv.layer_cache(layer).copy_(src.layer_cache(layer))
     head.clear()
     whole.install(snaps)
