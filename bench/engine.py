@@ -37,7 +37,7 @@ from rich.table import Table
 
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine, SchedulerConfig
-from kunserve.shared.model.config import TINY_CONFIG, ModelConfig
+from kunserve.shared.model.architecture import TINY_CONFIG, ModelConfig
 from kunserve.shared.model.weights import random_weights
 
 LARGER_CONFIG = ModelConfig(vocab_size=8192, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4,

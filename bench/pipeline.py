@@ -55,7 +55,7 @@ from kunserve.shared.engine.engine import Engine, SchedulerConfig
 from kunserve.shared.engine.local_link import local_group
 from kunserve.shared.engine.profiler import BatchTimer, fit_profile, grid_blocks, measure_grid, profile_grid
 from kunserve.shared.engine.stage_wire import StageBatch
-from kunserve.shared.model.config import TINY_CONFIG, ModelConfig
+from kunserve.shared.model.architecture import TINY_CONFIG, ModelConfig
 from kunserve.shared.model.weights import random_weights
 from kunserve.shared.policy.costmodel import KunServeCostModel, relative_errors
 from kunserve.shared.policy.planner import balanced_split

@@ -76,7 +76,7 @@ async def generate_many(address: str, requests, timeout: float = 120.0):
 
 @functools.lru_cache(maxsize=1)
 def _embedded_model():
-    from kunserve.shared.model.config import TINY_CONFIG
+    from kunserve.shared.model.architecture import TINY_CONFIG
     from kunserve.shared.model.weights import random_weights
 
     return TINY_CONFIG, random_weights(TINY_CONFIG, seed=0)

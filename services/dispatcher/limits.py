@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kunserve.shared.config import ClusterConfig, ConfigError
 
-# The embedded tiny model's context (kunserve.shared.model.config.TINY_CONFIG.max_position_embeddings; a
+# The embedded tiny model's context (kunserve.shared.model.architecture.TINY_CONFIG.max_position_embeddings; a
 # unit test keeps them equal). HF's default when config.json does not say is the same 2048.
 EMBEDDED_CONTEXT_LEN = 2048
 HF_DEFAULT_CONTEXT_LEN = 2048

@@ -37,7 +37,7 @@ from kunserve.shared.policy.admission import Admission, Refusal
 from kunserve.shared.policy.liveness import Liveness
 from kunserve.shared.policy.router import FreenessRouter, RoutingLoad
 from kunserve.shared.rpc import WORKER_END, channel
-from kunserve.shared.wire.cluster import report_from_pb
+from kunserve.shared.wire.cluster_state import report_from_pb
 from kunserve.shared.wire.requests import sampling_from_pb
 from kunserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 

@@ -16,7 +16,7 @@ from kunserve.shared.epochs import MAX_EPOCH
 from kunserve.shared.log import get_logger
 from kunserve.shared.policy.cluster_layout import LayoutState
 from kunserve.shared.rpc import channel
-from kunserve.shared.wire.cluster import layout_entry_from_info, layout_to_pb
+from kunserve.shared.wire.cluster_state import layout_entry_from_info, layout_to_pb
 from kunserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from .orchestrator import OrchestrationError, Orchestrator

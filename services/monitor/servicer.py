@@ -17,7 +17,7 @@ from kunserve.shared.policy.cluster_load import ClusterLoad
 from kunserve.shared.policy.overload import DROP, NONE, RESTORE, Decision, OverloadConfig, OverloadPolicy
 from kunserve.shared.policy.units import build_units
 from kunserve.shared.rpc import channel
-from kunserve.shared.wire.cluster import report_from_pb, status_to_pb
+from kunserve.shared.wire.cluster_state import report_from_pb, status_to_pb
 from kunserve.v1 import common_pb2, memory_manager_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc
 
 

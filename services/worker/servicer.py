@@ -21,7 +21,7 @@ from kunserve.shared.memory.errors import MemoryPoolError
 from kunserve.shared.rpc import WORKER_END
 from kunserve.shared.streams import Shutdown, StreamRegistry
 from kunserve.shared.transfer.service import TransferError
-from kunserve.shared.wire.cluster import busy_idle_fields, engine_stats_to_pb
+from kunserve.shared.wire.cluster_state import busy_idle_fields, engine_stats_to_pb
 from kunserve.shared.wire.requests import finish_to_pb, sampling_from_pb
 from kunserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 

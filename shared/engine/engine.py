@@ -30,7 +30,7 @@ from kunserve.shared.engine.kv_storage import KVStorage, TorchKVStorage
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.sampler import sample_rows
 from kunserve.shared.engine.stage_wire import StageBatch
-from kunserve.shared.model.config import ModelConfig
+from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.weights import Weights
 from kunserve.shared.policy.batch_scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence, TokenBudget
 

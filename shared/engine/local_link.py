@@ -28,7 +28,7 @@ import torch
 from kunserve.shared.engine import stage_wire
 from kunserve.shared.engine.engine import Engine, GroupBroken
 from kunserve.shared.engine.stage_wire import StageBatch
-from kunserve.shared.model.config import ModelConfig
+from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.weights import Weights
 from kunserve.shared.policy.batch_scheduler import SchedulerConfig
 

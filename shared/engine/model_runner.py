@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kunserve.shared.engine.attention import Attention, AttentionMetadata, make_attention
 from kunserve.shared.engine.kv_storage import KVStorage
-from kunserve.shared.model.config import ModelConfig
+from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.weights import Weights
 
 # oneDNN with pre-packed weights beats MKL's sgemm for small row counts on CPU: sgemm re-packs the

@@ -26,7 +26,7 @@ from kunserve.shared.engine.attention import build_metadata
 from kunserve.shared.engine.kv_blocks import blocks_needed
 from kunserve.shared.engine.kv_storage import TorchKVStorage
 from kunserve.shared.engine.model_runner import ModelRunner
-from kunserve.shared.model.config import ModelConfig
+from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.weights import Weights
 from kunserve.shared.policy.costmodel import Chunk, Sample, fit_conserve, fit_kunserve, relative_errors, split_holdout
 from kunserve.shared.profile_files import Profile

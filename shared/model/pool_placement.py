@@ -14,7 +14,7 @@ import torch
 
 from kunserve.shared.memory.layer_memory import KVCacheSpec, LayerMemoryLayout, TensorSpec, WeightGroupSpec, WeightSource
 from kunserve.shared.memory.pool import PagePool
-from kunserve.shared.model.config import ModelConfig
+from kunserve.shared.model.architecture import ModelConfig
 
 QKV = "self_attn.qkv_proj"
 GATE_UP = "mlp.gate_up_proj"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kunserve.shared.model.config import ModelConfig
+from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.weights import Weights
 
 

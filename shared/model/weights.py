@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kunserve.shared.model.config import TINY_CONFIG, ModelConfig
+from kunserve.shared.model.architecture import TINY_CONFIG, ModelConfig
 from kunserve.shared.model.tokenizer import Tokenizer, load_tokenizer
 
 Weights = dict[str, torch.Tensor]

@@ -9,7 +9,7 @@ from oracle import compare_greedy
 
 from kunserve import client
 from kunserve.cli.launcher import LocalCluster
-from kunserve.shared.model.config import TINY_CONFIG
+from kunserve.shared.model.architecture import TINY_CONFIG
 from kunserve.shared.model.reference import reference_greedy
 from kunserve.shared.model.weights import random_weights, save_checkpoint
 

@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from kunserve.shared.model.config import ModelConfig
+from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.reference import reference_scores
 from kunserve.shared.model.weights import Weights, random_weights
 

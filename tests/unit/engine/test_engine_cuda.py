@@ -12,7 +12,7 @@ from engine_testing import check_greedy, weights_for
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.attention import make_attention
 from kunserve.shared.engine.engine import Engine, SchedulerConfig
-from kunserve.shared.model.config import TINY_CONFIG
+from kunserve.shared.model.architecture import TINY_CONFIG
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

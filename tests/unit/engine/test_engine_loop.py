@@ -12,7 +12,7 @@ from engine_testing import one_torch_thread, weights_for  # noqa: F401 - fixture
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest, SamplingParams, TokenEvent
 from kunserve.shared.engine.engine import Engine
 from kunserve.shared.engine.loop import EngineLoop, EngineStopped
-from kunserve.shared.model.config import TINY_CONFIG
+from kunserve.shared.model.architecture import TINY_CONFIG
 
 CFG = TINY_CONFIG.replace(num_layers=1, name="one")
 TIMEOUT = 30.0

@@ -14,7 +14,7 @@ from oracle import compare_greedy
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine, SchedulerConfig
 from kunserve.shared.engine.kv_blocks import blocks_needed
-from kunserve.shared.model.config import TINY_CONFIG, ModelConfig
+from kunserve.shared.model.architecture import TINY_CONFIG, ModelConfig
 from kunserve.shared.model.reference import reference_greedy
 
 SMALL = TINY_CONFIG.replace(num_layers=2, name="small")

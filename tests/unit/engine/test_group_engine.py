@@ -23,7 +23,7 @@ from kunserve.shared.engine import stage_wire
 from kunserve.shared.engine.api import EngineRequest, FinishReason, SamplingParams, SeqSnapshot, TokenEvent
 from kunserve.shared.engine.engine import Engine, GroupBroken, NotServing, SchedulerConfig
 from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable
-from kunserve.shared.model.config import TINY_CONFIG
+from kunserve.shared.model.architecture import TINY_CONFIG
 from kunserve.shared.model.reference import reference_scores
 from kunserve.shared.policy.batch_scheduler import Scheduler, Sequence
 

@@ -18,7 +18,7 @@ from kunserve.shared.engine.accounting import BusyIdleClock
 from kunserve.shared.engine.api import EngineRequest, InvalidRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine, GroupBroken, SchedulerConfig
 from kunserve.shared.engine.local_link import LocalPipelineLink, local_group
-from kunserve.shared.model.config import TINY_CONFIG
+from kunserve.shared.model.architecture import TINY_CONFIG
 from kunserve.shared.model.reference import reference_greedy
 from kunserve.shared.policy.planner import balanced_split
 

@@ -23,7 +23,7 @@ from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidReque
 from kunserve.shared.engine.engine import Engine
 from kunserve.shared.engine.loop import MAX_FAILED_STEPS, EngineBroken, EngineLoop, EngineStopped
 from kunserve.shared.engine.sampler import SamplingFailed, probabilities, sample, sample_rows
-from kunserve.shared.model.config import TINY_CONFIG
+from kunserve.shared.model.architecture import TINY_CONFIG
 
 CFG = TINY_CONFIG.replace(num_layers=1, name="one")
 TIMEOUT = 30.0

@@ -18,7 +18,7 @@ from oracle import compare_greedy
 from kunserve.shared.engine.api import EngineRequest, SamplingParams, SeqSnapshot
 from kunserve.shared.engine.engine import Engine, SchedulerConfig
 from kunserve.shared.engine.pooled import PooledInstance
-from kunserve.shared.model.config import TINY_CONFIG
+from kunserve.shared.model.architecture import TINY_CONFIG
 from kunserve.shared.model.reference import reference_scores
 from kunserve.shared.model.weights import load_model_source
 

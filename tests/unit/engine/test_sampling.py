@@ -10,7 +10,7 @@ from engine_testing import one_torch_thread  # noqa: F401 - fixture
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine
 from kunserve.shared.engine.sampler import sample
-from kunserve.shared.model.config import TINY_CONFIG
+from kunserve.shared.model.architecture import TINY_CONFIG
 from kunserve.shared.model.weights import random_weights
 
 CFG = TINY_CONFIG.replace(num_layers=1, name="one")

@@ -17,7 +17,7 @@ from kunserve.shared.engine.attention import AttentionMetadata
 from kunserve.shared.engine.engine import Engine, SchedulerConfig
 from kunserve.shared.engine.local_link import local_group
 from kunserve.shared.engine.stage_wire import StageBatch
-from kunserve.shared.model.config import TINY_CONFIG
+from kunserve.shared.model.architecture import TINY_CONFIG
 
 SMALL = TINY_CONFIG.replace(num_layers=2, name="small")
 

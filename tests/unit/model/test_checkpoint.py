@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine
-from kunserve.shared.model.config import TINY_CONFIG, ModelConfig
+from kunserve.shared.model.architecture import TINY_CONFIG, ModelConfig
 from kunserve.shared.model.tokenizer import ByteTokenizer
 from kunserve.shared.model.weights import (
     load_checkpoint,

@@ -197,7 +197,7 @@ def test_profiler_times_every_phase_on_any_layer_range():
     import torch
 
     from kunserve.shared.engine.profiler import BatchTimer, fit_profile, grid_blocks, measure_grid, profile_grid
-    from kunserve.shared.model.config import TINY_CONFIG
+    from kunserve.shared.model.architecture import TINY_CONFIG
     from kunserve.shared.model.weights import random_weights
 
     torch.set_num_threads(1)

@@ -10,7 +10,7 @@ from test_scheduler import advance, seq
 from kunserve.shared.engine.api import EngineStats
 from kunserve.shared.engine.kv_blocks import BlockAllocator
 from kunserve.shared.policy.batch_scheduler import Scheduler, SchedulerConfig
-from kunserve.shared.wire.cluster import engine_stats_to_pb
+from kunserve.shared.wire.cluster_state import engine_stats_to_pb
 
 
 def test_oldest_waiting_arrival_counts_requests_without_a_token():

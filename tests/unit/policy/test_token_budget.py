@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine
 from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable
-from kunserve.shared.model.config import TINY_CONFIG
+from kunserve.shared.model.architecture import TINY_CONFIG
 from kunserve.shared.policy.batch_scheduler import FixedTokenBudget, Scheduler, SchedulerConfig, Sequence
 from kunserve.shared.policy.costmodel import BatchShape, ConServeLatencyModel
 from kunserve.shared.policy.token_budget import SLOTokenBudget

@@ -193,7 +193,7 @@ def test_prompts_over_the_limits_are_refused_before_tokenizing_or_forwarding(pro
 
 
 def test_limits_resolve_from_the_config_and_the_model(tmp_path):
-    from kunserve.shared.model.config import TINY_CONFIG
+    from kunserve.shared.model.architecture import TINY_CONFIG
 
     assert EMBEDDED_CONTEXT_LEN == TINY_CONFIG.max_position_embeddings
     cfg = load_config(None, environ={})

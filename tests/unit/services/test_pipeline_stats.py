@@ -9,7 +9,7 @@ import sys
 from kunserve.cli.kunctl import render_status
 from kunserve.shared.engine.accounting import BusyIdle
 from kunserve.shared.engine.api import EngineStats
-from kunserve.shared.wire.cluster import busy_idle_fields, engine_stats_to_pb
+from kunserve.shared.wire.cluster_state import busy_idle_fields, engine_stats_to_pb
 from kunserve.v1 import admin_pb2, memory_manager_pb2, monitor_pb2
 
 
@@ -32,7 +32,7 @@ def test_servicer_fills_them_from_the_engine():
     from kunserve.services.worker.servicer import WorkerIdentity, WorkerServicer
     from kunserve.shared.engine.engine import Engine
     from kunserve.shared.engine.loop import EngineLoop
-    from kunserve.shared.model.config import TINY_CONFIG
+    from kunserve.shared.model.architecture import TINY_CONFIG
     from kunserve.shared.model.weights import random_weights
 
     cfg = TINY_CONFIG.replace(num_layers=1, name="one")

@@ -7,7 +7,7 @@ from dataclasses import fields
 from kunserve.shared.policy.cluster import Member, WorkerReport
 from kunserve.shared.policy.cluster_layout import LayoutEntry, LayoutState
 from kunserve.shared.policy.cluster_load import ClusterLoad
-from kunserve.shared.wire.cluster import (
+from kunserve.shared.wire.cluster_state import (
     layout_entry_from_info,
     layout_entry_to_pb,
     layout_to_pb,
