@@ -85,11 +85,10 @@ class HFTokenizer:
         return _incremental(self.decode, previous, new_id)
 
 
-def load_tokenizer(model_path: str | None, vocab_size: int | None = None) -> Tokenizer | None:
+def load_tokenizer(model_path: str | None) -> Tokenizer | None:
     """The tokenizer for a model source: embedded (None) -> ByteTokenizer; a directory -> its
     tokenizer.json, else None: the model then takes token-id prompts only. (A byte-level fallback
-    would silently feed a real model's vocabulary ids that mean something else.) vocab_size is
-    accepted for API compatibility and unused."""
+    would silently feed a real model's vocabulary ids that mean something else.)"""
     if not model_path:
         return ByteTokenizer()
     d = pathlib.Path(model_path)

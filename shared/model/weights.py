@@ -211,4 +211,4 @@ def load_model_source(path: str | pathlib.Path | None, *, seed: int = 0, dtype: 
     cfg = read_config(path, dtype)
     if not sorted(pathlib.Path(path).glob("*.safetensors")):
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    return ModelSource(cfg.name, cfg, str(path), seed, load_tokenizer(str(path), cfg.vocab_size))
+    return ModelSource(cfg.name, cfg, str(path), seed, load_tokenizer(str(path)))

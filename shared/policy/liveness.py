@@ -3,7 +3,7 @@
 A worker is *stalled* when, for longer than ``stall_timeout_s``:
 
 * its stats polls stop answering (a frozen process -- SIGSTOP, a wedged event loop -- times out instead of
-  failing, and used to be kept as healthy forever); or
+  failing, so "it answers" alone would keep it healthy forever); or
 * it answers, but its engine has requests and its token counters do not move while it is not in a layout
   transition (a hung engine thread behind a live gRPC server).
 
