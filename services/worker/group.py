@@ -11,14 +11,13 @@ Several microbatches are in flight at once (max_inflight = number of stages), so
 from __future__ import annotations
 
 import asyncio
-import queue
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kunserve.shared.engine import stage_wire
-from kunserve.shared.engine.engine import GroupBroken
+from kunserve.shared.engine.link_results import LinkResults
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.stage_wire import StageBatch
 from kunserve.shared.log import get_logger
@@ -51,7 +50,6 @@ class GroupRole:
         return self.unit.worker_ids
 
 
-_LOST = object()
 
 
 class UcxPipelineLink:
@@ -66,8 +64,7 @@ class UcxPipelineLink:
         self.next_stage = role.unit.members[1].worker_id
         self.max_inflight = len(role.unit.members)
         self.timeout_s = timeout_s
-        self._results: queue.Queue = queue.Queue()
-        self._lost: str | None = None
+        self._results = LinkResults(timeout_s)
 
     def send(self, batch: StageBatch, hidden: torch.Tensor) -> None:
         data = stage_wire.encode(batch, hidden)
@@ -80,25 +77,13 @@ class UcxPipelineLink:
             self.lost(f"cannot send to stage {self.next_stage}: {exc}")
 
     def deliver(self, mb_id: int, logits: torch.Tensor) -> None:
-        self._results.put((mb_id, logits))
+        self._results.deliver(mb_id, logits)
 
     def lost(self, why: str) -> None:
-        if self._lost is None:
-            self._lost = why
-        self._results.put((_LOST, why))
+        self._results.lost(why)
 
     def result(self, mb_id: int, block: bool) -> torch.Tensor | None:
-        try:
-            got, value = self._results.get(block=block, timeout=self.timeout_s if block else None)
-        except queue.Empty:
-            if block:
-                raise GroupBroken(f"no result for microbatch {mb_id} within {self.timeout_s} s") from None
-            return None
-        if got is _LOST:
-            raise GroupBroken(str(value))
-        if got != mb_id:
-            raise GroupBroken(f"results out of order: expected microbatch {mb_id}, got {got}")
-        return value
+        return self._results.take(mb_id, block)
 
 
 class StageRunner:

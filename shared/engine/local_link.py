@@ -26,14 +26,14 @@ from types import TracebackType
 import torch
 
 from kunserve.shared.engine import stage_wire
-from kunserve.shared.engine.engine import Engine, GroupBroken
+from kunserve.shared.engine.engine import Engine
+from kunserve.shared.engine.link_results import LinkResults
 from kunserve.shared.engine.stage_wire import StageBatch
 from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.weights import Weights
 from kunserve.shared.policy.batch_scheduler import SchedulerConfig
 
 _STOP = object()
-_LOST = object()
 
 Observer = Callable[[int, StageBatch, float, float], None]  # (stage, microbatch, start, end): perf_counter seconds
 
@@ -60,8 +60,7 @@ class LocalPipelineLink:
         self.wire = wire
         self.observe = observe
         self._inboxes: list[queue.Queue] = [queue.Queue() for _ in self.stages]
-        self._results: queue.Queue = queue.Queue()
-        self._broken: str | None = None
+        self._results = LinkResults(timeout_s)
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"stage-{i + 1}", daemon=True)
                          for i in range(len(self.stages))]
         for t in self._threads:
@@ -74,20 +73,7 @@ class LocalPipelineLink:
         return stage_wire.encode(batch, hidden) if self.wire else (batch, hidden)
 
     def result(self, mb_id: int, block: bool) -> torch.Tensor | None:
-        if self._broken is not None:
-            raise GroupBroken(self._broken)
-        try:
-            got, value = self._results.get(block=block, timeout=self.timeout_s if block else None)
-        except queue.Empty:
-            if block:
-                raise GroupBroken(f"no result for microbatch {mb_id} within {self.timeout_s} s") from None
-            return None
-        if got is _LOST:
-            self._broken = value
-            raise GroupBroken(value)
-        if got != mb_id:
-            raise GroupBroken(f"results out of order: expected microbatch {mb_id}, got {got}")
-        return value
+        return self._results.take(mb_id, block)
 
     def _serve(self, i: int) -> None:
         """Stage i+1 of the group (the head is stage 0): run each microbatch, pass the output on."""
@@ -104,11 +90,11 @@ class LocalPipelineLink:
                 if self.observe is not None:
                     self.observe(i + 1, batch, start, time.perf_counter())
             except Exception as exc:  # the group breaks; this stage takes no more work
-                self._results.put((_LOST, f"stage {i + 1} (layers [{stage.runner.start}, {stage.runner.end})) "
-                                          f"failed: {type(exc).__name__}: {exc}"))
+                self._results.lost(f"stage {i + 1} (layers [{stage.runner.start}, {stage.runner.end})) "
+                                   f"failed: {type(exc).__name__}: {exc}")
                 return
             if last:
-                self._results.put((batch.mb_id, out))
+                self._results.deliver(batch.mb_id, out)
             else:
                 self._inboxes[i + 1].put(self._pack(batch, out))
 

@@ -12,6 +12,8 @@ import functools
 import pytest
 import torch
 
+from kunserve.shared.engine.api import EngineRequest
+from kunserve.shared.engine.engine import Engine
 from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.reference import reference_scores
 from kunserve.shared.model.weights import Weights, random_weights
@@ -44,3 +46,31 @@ def check_greedy(cfg: ModelConfig, weights: Weights, prompt: list[int], got: lis
                 f"prompt={prompt}\ngot={got}")
             return True
     return False
+
+
+def clone(r: EngineRequest) -> EngineRequest:
+    """A fresh copy of a request (an engine owns the requests it is given)."""
+    return EngineRequest(r.request_id, list(r.prompt_token_ids), r.sampling, r.arrival_time)
+
+
+def run_until_mid_decode(eng: Engine, reqs: list[EngineRequest], steps: int = 12) -> dict[str, list[int]]:
+    """Add `reqs` and step until some decode while others still prefill or wait: the state a drop, swap or
+    relayout must carry over. Returns the tokens so far per request."""
+    for r in reqs:
+        eng.add_request(clone(r))
+    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    for _ in range(steps):
+        for ev in eng.step():
+            out[ev.request_id].append(ev.token_id)
+    assert any(s.generated and s.block_table for s in eng.seqs.values())
+    assert any(not s.generated for s in eng.seqs.values())
+    return out
+
+
+def finish(eng: Engine, out: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Step to the end, appending to `out`; every KV block is free afterwards."""
+    while eng.has_work():
+        for ev in eng.step():
+            out[ev.request_id].append(ev.token_id)
+    assert eng.allocator.num_used == 0 and not eng.seqs
+    return out

@@ -16,7 +16,7 @@ import random
 
 import pytest
 import torch
-from engine_testing import one_torch_thread, weights_for  # noqa: F401 - fixture
+from engine_testing import clone, finish, one_torch_thread, run_until_mid_decode, weights_for  # noqa: F401 - fixture
 from oracle import compare_greedy
 
 from kunserve.shared.engine import stage_wire
@@ -113,10 +113,6 @@ def mixed_requests(seed: int = 11, n: int = 16) -> list[EngineRequest]:
     outs = [40, 1] + [rng.randint(1, 40) for _ in range(n - 2)]
     return [EngineRequest(f"r{i}", [rng.randrange(258, CFG.vocab_size) for _ in range(lens[i])],
                           SamplingParams(max_tokens=outs[i], ignore_eos=True)) for i in range(n)]
-
-
-def clone(r: EngineRequest) -> EngineRequest:
-    return EngineRequest(r.request_id, list(r.prompt_token_ids), r.sampling, r.arrival_time)
 
 
 def drive(eng: Engine, reqs: list[EngineRequest], arrivals: list[int] | None = None,
@@ -248,36 +244,15 @@ SNAP_SCHED = SchedulerConfig(max_num_batched_tokens=48)
 SNAP_BLOCKS = 40
 
 
-def run_until_mid_decode(eng: Engine) -> dict[str, list[int]]:
-    for r in SNAP_REQS:
-        eng.add_request(clone(r))
-    out: dict[str, list[int]] = {r.request_id: [] for r in SNAP_REQS}
-    for _ in range(12):
-        for ev in eng.step():
-            out[ev.request_id].append(ev.token_id)
-    # the interesting state: some decode, one is partly prefilled or waiting
-    assert any(s.generated and s.block_table for s in eng.seqs.values())
-    assert any(not s.generated for s in eng.seqs.values())
-    return out
-
-
-def finish(eng: Engine, out: dict[str, list[int]]) -> dict[str, list[int]]:
-    while eng.has_work():
-        for ev in eng.step():
-            out[ev.request_id].append(ev.token_id)
-    assert eng.allocator.num_used == 0
-    return out
-
-
 @functools.lru_cache(maxsize=1)
 def uninterrupted() -> dict[str, list[int]]:
     eng = make_whole(SNAP_BLOCKS, SNAP_SCHED)
-    return finish(eng, run_until_mid_decode(eng))
+    return finish(eng, run_until_mid_decode(eng, SNAP_REQS))
 
 
 def test_snapshot_clear_install_round_trip():
     eng = make_whole(SNAP_BLOCKS, SNAP_SCHED)
-    out = run_until_mid_decode(eng)
+    out = run_until_mid_decode(eng, SNAP_REQS)
     used = eng.allocator.used_ids()
     snaps = eng.snapshot()
     assert [s.request.request_id for s in snaps] == sorted(eng.seqs, key=lambda r: eng.seqs[r].order)
@@ -293,7 +268,7 @@ def test_snapshot_clear_install_round_trip():
 
 def test_install_into_a_fresh_engine_with_renumbered_blocks():
     old = make_whole(SNAP_BLOCKS, SNAP_SCHED)
-    out = run_until_mid_decode(old)
+    out = run_until_mid_decode(old, SNAP_REQS)
     snaps = old.snapshot()
     new = make_whole(SNAP_BLOCKS + 13, SNAP_SCHED)
     # spread the blocks over the new id space, in a scrambled order

@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from engine_testing import one_torch_thread, weights_for  # noqa: F401 - fixture
+from engine_testing import clone, finish, one_torch_thread, run_until_mid_decode, weights_for  # noqa: F401 - fixture
 from oracle import compare_greedy
 
 from kunserve.shared.engine.api import EngineRequest, SamplingParams, SeqSnapshot
@@ -40,35 +40,10 @@ def make(num_blocks: int = BLOCKS, sched: SchedulerConfig = SCHED) -> Engine:
     return Engine(CFG, weights_for(CFG), num_kv_blocks=num_blocks, block_size=BS, scheduler_config=sched)
 
 
-def clone(r: EngineRequest) -> EngineRequest:
-    return EngineRequest(r.request_id, list(r.prompt_token_ids), r.sampling, r.arrival_time)
-
-
-def start(eng: Engine, steps: int = 12) -> dict[str, list[int]]:
-    """Run REQS until some decode while others still prefill or wait."""
-    for r in REQS:
-        eng.add_request(clone(r))
-    out: dict[str, list[int]] = {r.request_id: [] for r in REQS}
-    for _ in range(steps):
-        for ev in eng.step():
-            out[ev.request_id].append(ev.token_id)
-    assert any(s.generated and s.block_table for s in eng.seqs.values())
-    assert any(not s.generated for s in eng.seqs.values())
-    return out
-
-
-def finish(eng: Engine, out: dict[str, list[int]]) -> dict[str, list[int]]:
-    while eng.has_work():
-        for ev in eng.step():
-            out[ev.request_id].append(ev.token_id)
-    assert eng.allocator.num_used == 0 and not eng.seqs
-    return out
-
-
 @functools.lru_cache(maxsize=1)
 def uninterrupted() -> dict[str, list[int]]:
     eng = make()
-    out = finish(eng, start(eng))
+    out = finish(eng, run_until_mid_decode(eng, REQS))
     for r in REQS:
         if r.sampling.greedy:
             ref, margins = reference_scores(CFG, weights_for(CFG), r.prompt_token_ids, out[r.request_id])
@@ -136,7 +111,7 @@ def test_import_checks_the_shape_and_the_layers_before_writing():
 
 def test_tokens_go_on_identically_after_export_import_into_another_engine_at_new_ids():
     old = make()
-    out = start(old)
+    out = run_until_mid_decode(old, REQS)
     snaps = old.snapshot()
     used = old.allocator.used_ids()
     new = make(BLOCKS + 13)
@@ -153,7 +128,7 @@ def test_tokens_go_on_identically_after_export_import_into_another_engine_at_new
 def test_tokens_go_on_identically_after_renumbering_in_place():
     """A transition's local flow: the blocks stay on this engine at new ids (export, fresh block space, import)."""
     eng = make()
-    out = start(eng)
+    out = run_until_mid_decode(eng, REQS)
     snaps = eng.snapshot()
     used = eng.allocator.used_ids()
     mapping = {b: eng.allocator.num_blocks - 1 - i for i, b in enumerate(used)}  # to the tail, reversed
@@ -165,7 +140,7 @@ def test_tokens_go_on_identically_after_renumbering_in_place():
 
 def test_swap_uses_export_and_import():
     eng = make()
-    start(eng)
+    run_until_mid_decode(eng, REQS)
     seq = next(s for s in eng.seqs.values() if s.num_computed > BS)
     n = -(-seq.num_computed // BS)
     old_ids = seq.block_table.ids[:n]
@@ -193,7 +168,7 @@ class IdleLink:
 
 def test_become_head_links_caps_the_block_space_and_takes_the_requests():
     eng = make()
-    start(eng)
+    run_until_mid_decode(eng, REQS)
     snaps = eng.snapshot()
     eng.use_weights(weights_for(CFG), (0, 2))
     link = IdleLink()
@@ -210,7 +185,7 @@ def test_become_head_links_caps_the_block_space_and_takes_the_requests():
 
 def test_become_stage_holds_no_requests_and_the_whole_block_space():
     eng = make()
-    start(eng)
+    run_until_mid_decode(eng, REQS)
     eng.use_weights(weights_for(CFG), (2, 4))
     eng.become_stage()
     assert not eng.seqs and not eng.serving and eng.link is None and eng.kv_limit is None
@@ -223,7 +198,7 @@ def test_become_stage_holds_no_requests_and_the_whole_block_space():
 
 def test_become_whole_again_from_a_head():
     eng = make()
-    out = start(eng)
+    out = run_until_mid_decode(eng, REQS)
     snaps = eng.snapshot()
     eng.use_weights(weights_for(CFG), (0, 2))
     eng.become_head(IdleLink(), 30, [])
@@ -235,7 +210,7 @@ def test_become_whole_again_from_a_head():
 
 def test_become_whole_with_recompute_reprefills_and_keeps_the_tokens():
     eng = make()
-    out = start(eng)
+    out = run_until_mid_decode(eng, REQS)
     snaps = eng.snapshot()
     preemptions = eng.scheduler.num_preemptions
     eng.become_whole(snaps, recompute=True)
@@ -252,7 +227,7 @@ def test_become_whole_with_recompute_reprefills_and_keeps_the_tokens():
 
 def test_leave_group_preempts_every_request_and_unlinks():
     eng = make()
-    start(eng)
+    run_until_mid_decode(eng, REQS)
     eng.use_weights(weights_for(CFG), (0, 2))
     eng.become_head(IdleLink(), BLOCKS, eng.snapshot())
     owned = set(eng.seqs)
