@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from kunserve.shared.engine.api import EngineRequest
+from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine
 from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.reference import reference_scores
@@ -46,6 +46,18 @@ def check_greedy(cfg: ModelConfig, weights: Weights, prompt: list[int], got: lis
                 f"prompt={prompt}\ngot={got}")
             return True
     return False
+
+
+# Five requests that, under a 48-token budget, leave some decoding while others still prefill or wait after
+# a dozen steps (greedy and one seeded sampled): the state every carry-over test starts from.
+MID_DECODE_REQS = [
+    EngineRequest("g0", list(range(300, 337)), SamplingParams(max_tokens=30, ignore_eos=True)),
+    EngineRequest("s1", list(range(500, 521)), SamplingParams(max_tokens=25, temperature=0.9, top_k=50, seed=7,
+                                                              ignore_eos=True)),
+    EngineRequest("g2", list(range(900, 1010)), SamplingParams(max_tokens=20, ignore_eos=True)),
+    EngineRequest("g3", list(range(1200, 1290)), SamplingParams(max_tokens=12, ignore_eos=True)),
+    EngineRequest("g4", list(range(2000, 2050)), SamplingParams(max_tokens=15, ignore_eos=True)),
+]
 
 
 def clone(r: EngineRequest) -> EngineRequest:

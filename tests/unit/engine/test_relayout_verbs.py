@@ -12,10 +12,10 @@ import random
 
 import pytest
 import torch
-from engine_testing import clone, finish, one_torch_thread, run_until_mid_decode, weights_for  # noqa: F401 - fixture
+from engine_testing import MID_DECODE_REQS, clone, finish, one_torch_thread, run_until_mid_decode, weights_for  # noqa: F401 - fixture
 from oracle import compare_greedy
 
-from kunserve.shared.engine.api import EngineRequest, SamplingParams, SeqSnapshot
+from kunserve.shared.engine.api import SeqSnapshot
 from kunserve.shared.engine.engine import Engine, SchedulerConfig
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.model.architecture import TINY_CONFIG
@@ -26,14 +26,7 @@ CFG = TINY_CONFIG  # 4 layers
 BS = 8
 BLOCKS = 40
 SCHED = SchedulerConfig(max_num_batched_tokens=48)
-REQS = [
-    EngineRequest("g0", list(range(300, 337)), SamplingParams(max_tokens=30, ignore_eos=True)),
-    EngineRequest("s1", list(range(500, 521)), SamplingParams(max_tokens=25, temperature=0.9, top_k=50, seed=7,
-                                                              ignore_eos=True)),
-    EngineRequest("g2", list(range(900, 1010)), SamplingParams(max_tokens=20, ignore_eos=True)),
-    EngineRequest("g3", list(range(1200, 1290)), SamplingParams(max_tokens=12, ignore_eos=True)),
-    EngineRequest("g4", list(range(2000, 2050)), SamplingParams(max_tokens=15, ignore_eos=True)),
-]
+REQS = MID_DECODE_REQS
 
 
 def make(num_blocks: int = BLOCKS, sched: SchedulerConfig = SCHED) -> Engine:
