@@ -76,11 +76,14 @@ class GenerationResult:
                 "num_prompt_tokens": self.num_prompt_tokens, "ttft_s": self.ttft_s, "mean_tpot_s": self.mean_tpot_s}
 
 
-def make_request(prompt: str | Sequence[int], *, request_id: str = "", max_tokens: int = 16, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_token_ids: Sequence[int] = (),
+def make_request(prompt: str | Sequence[int], *, request_id: str = "", max_tokens: int = 16,
+                 temperature: float | None = 0.0, top_k: int | None = 0, top_p: float | None = 1.0,
+                 seed: int | None = None, stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
                  ignore_eos: bool = False) -> generation_pb2.GenerateRequest:
+    """A generation request. temperature / top_k / top_p None leave the field unset: the served model's
+    generation_config.json default applies (greedy when it has none); `stop` strings end the text."""
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                         stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+                                         stop_token_ids=list(stop_token_ids), stop=list(stop), ignore_eos=ignore_eos)
     if seed is not None:
         sampling.seed = seed
     req = generation_pb2.GenerateRequest(request_id=request_id, sampling=sampling)

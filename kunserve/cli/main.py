@@ -193,7 +193,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     prompt = args.token_ids if args.token_ids is not None else args.prompt
     request = client.make_request(prompt, request_id=args.request_id or "", max_tokens=args.max_tokens,
                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                  stop_token_ids=args.stop_token_ids or (), ignore_eos=args.ignore_eos)
+                                  stop_token_ids=args.stop_token_ids or (), stop=args.stop or (),
+                                  ignore_eos=args.ignore_eos)
     raise SystemExit(_generate_to_terminal(address, request, as_json=args.json, timeout=args.timeout, creds=creds))
 
 
@@ -222,11 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--token-ids", type=_int_list, help="prompt as token ids, e.g. 1,2,3")
     g.add_argument("--address", help="dispatcher host:port (default: from the config)")
     g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0, help="0 = disabled")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--temperature", type=float,
+                   help="0 = greedy (default: the model's generation_config.json, else greedy)")
+    g.add_argument("--top-k", type=int, help="0 = disabled (default: the model's generation_config.json, else 0)")
+    g.add_argument("--top-p", type=float, help="default: the model's generation_config.json, else 1.0")
     g.add_argument("--seed", type=int, help="sampling seed (reproducible sampling)")
     g.add_argument("--stop-token-ids", type=_int_list)
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop string: the output ends before it (repeatable; needs a tokenizer)")
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
     g.add_argument("--request-id", help="client-chosen id (for Cancel)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
@@ -239,10 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _register_extra_commands(sub) -> None:
     """Later subcommands (bench, profile) register here without touching the core parser."""
-    from kunserve.cli import bench, profile
+    from kunserve.cli import bench, export_model, profile
 
     profile.register(sub)
     bench.add_bench_parser(sub)
+    export_model.register(sub)
 
 
 def main(argv: list[str] | None = None) -> None:

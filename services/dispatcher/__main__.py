@@ -12,6 +12,8 @@ from kunserve.services.dispatcher.servicer import DispatcherServicer, WorkerPool
 from kunserve.shared import rpc
 from kunserve.shared.config import ConfigError
 from kunserve.shared.credentials import dispatcher_rules
+from kunserve.shared.model.architecture import TINY_CONFIG
+from kunserve.shared.model.generation_config import load_generation_defaults
 from kunserve.shared.model.tokenizer import load_tokenizer
 from kunserve.v1 import generation_pb2_grpc
 
@@ -26,9 +28,14 @@ def main(argv: list[str] | None = None) -> None:
     creds = load_service_credentials(cfg, "dispatcher", api_key=True)
     try:
         tokenizer = load_tokenizer(cfg.model.path or None)
+        generation = load_generation_defaults(cfg.model.path or None, embedded_eos=TINY_CONFIG.eos_token_id)
     except (OSError, ValueError) as exc:
-        print(f"dispatcher: cannot load the tokenizer of {cfg.model.path!r}: {exc}", file=sys.stderr)
+        print(f"dispatcher: cannot load the tokenizer / generation_config of {cfg.model.path!r}: {exc}",
+              file=sys.stderr)
         raise SystemExit(2) from None
+    if generation.unsupported:
+        log.warning("generation_config_keys_not_applied", keys=generation.unsupported,
+                    reason="the sampler does not implement them")
 
     try:
         limits = limits_from_config(cfg)
@@ -40,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     async def amain() -> None:
         pool = WorkerPool(cfg)
         servicer = DispatcherServicer(pool, tokenizer, route_timeout_s=cfg.dispatcher.route_timeout_s,
-                                      limits=limits)
+                                      limits=limits, generation=generation)
         tasks: list[asyncio.Task] = []
 
         def register(server) -> None:

@@ -33,6 +33,8 @@ import grpc
 from kunserve.services.dispatcher.limits import DispatcherLimits
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.log import get_logger
+from kunserve.shared.model.generation_config import GenerationDefaults
+from kunserve.shared.model.tokenizer import TextStream
 from kunserve.shared.policy.admission import Admission, Refusal
 from kunserve.shared.policy.liveness import Liveness
 from kunserve.shared.policy.router import FreenessRouter, RoutingLoad
@@ -52,6 +54,8 @@ POLL_TIMEOUT_S = 1.0
 CANCEL_RPC_TIMEOUT_S = 5.0
 SHUTTING_DOWN = "the dispatcher is shutting down"
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's retry convention: when to try again, in a trailer
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
 
 # A worker stream that broke with one of these (or ended without a finish event) lost its worker.
 _WORKER_FAILURE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -85,6 +89,23 @@ class RequestRecord:
     expired: bool = False  # no first token within the queue timeout: the stream ends with RESOURCE_EXHAUSTED
     stalled_call: grpc.aio.UnaryStreamCall | None = None  # the call cancelled because its worker stalled
     stall_reason: str = ""
+    text: TextStream | None = None  # the streaming decoder of the generated ids (None: no tokenizer)
+    stops: tuple[str, ...] = ()  # stop strings
+    held: str = ""  # decoded text not sent yet: it may be the start of a stop string
+    user_stop_ids: frozenset[int] = frozenset()  # the client's stop_token_ids (EOS ids are added to what workers get)
+
+
+def _stop_split(held: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:
+    """(text to send now, text to keep holding, a stop string was found). On a stop: the text before the
+    earliest one. Otherwise everything but the longest tail that could still grow into a stop string."""
+    found = [i for i in (held.find(s) for s in stops) if i >= 0]
+    if found:
+        return held[:min(found)], "", True
+    for j in range(len(held)):
+        tail = held[j:]
+        if any(s.startswith(tail) for s in stops):
+            return held[:j], tail, False
+    return held, "", False
 
 
 @dataclass
@@ -245,9 +266,11 @@ class WorkerPool:
 
 class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, pool: WorkerPool, tokenizer, route_timeout_s: float = 30.0,
-                 max_resumes: int = MAX_RESUMES, limits: DispatcherLimits | None = None) -> None:
+                 max_resumes: int = MAX_RESUMES, limits: DispatcherLimits | None = None,
+                 generation: GenerationDefaults | None = None) -> None:
         self.pool = pool
         self.tokenizer = tokenizer  # None when the model ships no tokenizer: token-id prompts only
+        self.generation = generation or GenerationDefaults()  # generation_config.json: EOS ids, sampling defaults
         self.route_timeout_s = route_timeout_s
         self.max_resumes = max_resumes
         self.limits = limits or DispatcherLimits()
@@ -351,18 +374,60 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         if moved:
             self.log.warning("requests_leaving_stalled_worker", worker=wid, requests=moved, reason=why)
 
-    def _text(self, previous: list[int], token_id: int) -> str:
-        if self.tokenizer is None or token_id < 0:
-            return ""
-        return self.tokenizer.decode_token(previous, token_id)
+    def _effective_sampling(self, sent: common_pb2.SamplingParams, prompt_len: int) -> common_pb2.SamplingParams:
+        """The request's sampling with the model's generation_config.json defaults in the fields it left unset,
+        and the model's EOS ids among the stop ids the worker gets (unless ignore_eos)."""
+        g = self.generation
+        out = common_pb2.SamplingParams()
+        out.CopyFrom(sent)
+        if not out.HasField("max_tokens") and g.max_new_tokens is not None:
+            out.max_tokens = max(1, min(g.max_new_tokens, self.limits.context_len - prompt_len))
+        if not out.HasField("temperature") and g.temperature is not None:
+            out.temperature = g.temperature
+        if not out.HasField("top_p") and g.top_p is not None:
+            out.top_p = g.top_p
+        if not out.HasField("top_k") and g.top_k is not None:
+            out.top_k = g.top_k
+        if not out.ignore_eos:
+            extra = [e for e in g.eos_token_ids if e not in out.stop_token_ids]
+            out.stop_token_ids.extend(extra)
+        return out
+
+    async def _check_stops(self, sampling: common_pb2.SamplingParams, context) -> None:
+        stops = list(sampling.stop)
+        if not stops:
+            return
+        if self.tokenizer is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "sampling.stop: the served model has no tokenizer, so no text to match stop strings in")
+        if len(stops) > MAX_STOP_STRINGS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"sampling.stop: {len(stops)} stop strings; at most {MAX_STOP_STRINGS}")
+        for i, s in enumerate(stops):
+            if not s or len(s) > MAX_STOP_STRING_LEN:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"sampling.stop[{i}]: must have 1 to {MAX_STOP_STRING_LEN} characters, got {len(s)}")
+
+    def _text(self, record: RequestRecord, token_id: int, final: bool) -> tuple[str, bool]:
+        """(the text this event carries, a stop string ended the request). Text that may be the start of a stop
+        string is held back until it is not (or the request ends: the last event carries it)."""
+        piece = record.text.step(token_id) if record.text is not None and token_id >= 0 else ""
+        if not record.stops:
+            return piece, False
+        send, record.held, stopped = _stop_split(record.held + piece, record.stops)
+        if final and not stopped:
+            send, record.held = send + record.held, ""
+        return send, stopped
 
     def _final_event(self, record: RequestRecord,
                      finish_reason: common_pb2.FinishReason) -> generation_pb2.GenerateEvent:
         """A tokenless last event the dispatcher makes itself (cancelled while not on a worker)."""
         now = time.monotonic()
         record.finished = True
+        text, record.held = record.held, ""
         return generation_pb2.GenerateEvent(
-            request_id=record.request_id, token_id=-1, index=len(record.token_ids), finish_reason=finish_reason,
+            request_id=record.request_id, token_id=-1, text=text, index=len(record.token_ids),
+            finish_reason=finish_reason,
             elapsed_s=now - record.arrival, token_latency_s=now - record.last_event, worker_id=record.worker_id,
             num_prompt_tokens=len(record.prompt_token_ids))
 
@@ -386,7 +451,9 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         prompt = await self._prompt_ids(request, context)
         if not prompt:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
-        sampling = sampling_from_pb(request.sampling)
+        effective = self._effective_sampling(request.sampling, len(prompt))
+        await self._check_stops(effective, context)
+        sampling = sampling_from_pb(effective)
         if sampling.max_tokens <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.max_tokens: must be > 0, got {sampling.max_tokens}")
         total = len(prompt) + sampling.max_tokens
@@ -397,8 +464,10 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         refusal = self._admit(rid, len(prompt), arrival)
         if refusal is not None:
             await self._refuse(context, refusal)
-        record = RequestRecord(rid, prompt, arrival, sampling=request.sampling, max_tokens=sampling.max_tokens,
-                               last_event=arrival, owner=self._owner(context))
+        record = RequestRecord(rid, prompt, arrival, sampling=effective, max_tokens=sampling.max_tokens,
+                               last_event=arrival, owner=self._owner(context),
+                               text=self.tokenizer.decode_stream() if self.tokenizer is not None else None,
+                               stops=tuple(effective.stop), user_stop_ids=frozenset(request.sampling.stop_token_ids))
         self.records[rid] = record
         expiry = asyncio.get_running_loop().call_later(self.limits.queue_timeout_s, self._queue_expired, record)
         try:
@@ -618,17 +687,23 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                     seg.moved_to = ev.moved_to  # nothing to show the client: continue where it moved
                     return
                 now = time.monotonic()
-                text = self._text(record.token_ids, ev.token_id)
+                finish = ev.finish_reason
+                if (finish == common_pb2.FINISH_REASON_STOP and ev.token_id in self.generation.eos_token_ids
+                        and ev.token_id not in record.user_stop_ids):
+                    finish = common_pb2.FINISH_REASON_EOS  # the worker only knew it as one of our stop ids
+                text, stopped = self._text(record, ev.token_id, final=bool(finish))
+                if stopped:
+                    finish = common_pb2.FINISH_REASON_STOP  # a stop string: the worker's call is cancelled below
                 if ev.token_id >= 0:
                     record.token_ids.append(ev.token_id)
                     record.route_deadline = None  # progress: a later wait gets the whole timeout again
                     if len(record.token_ids) == 1:
                         self.admission.started(record.request_id, now)  # its prompt no longer queues
-                if ev.finish_reason:
+                if finish:
                     seg.finished = record.finished = True
                 yield generation_pb2.GenerateEvent(
                     request_id=record.request_id, token_id=ev.token_id, text=text,
-                    index=ev.index + record.index_offset, finish_reason=ev.finish_reason,
+                    index=ev.index + record.index_offset, finish_reason=finish,
                     elapsed_s=now - record.arrival, token_latency_s=now - record.last_event,
                     worker_id=seg.worker_id, num_prompt_tokens=len(record.prompt_token_ids),
                 )

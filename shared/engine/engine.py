@@ -460,7 +460,7 @@ class Engine:
         self.generated_tokens_total += 1
         p = seq.request.sampling
         reason = FinishReason.NONE
-        if not p.ignore_eos and self.cfg.eos_token_id is not None and token == self.cfg.eos_token_id:
+        if not p.ignore_eos and token in self.cfg.eos_token_ids:
             reason = FinishReason.EOS
         elif token in p.stop_token_ids:
             reason = FinishReason.STOP

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kunserve.shared.engine.attention import Attention, AttentionMetadata, make_attention
 from kunserve.shared.engine.kv_storage import KVStorage
+from kunserve.shared.model import rope
 from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.weights import Weights
 
@@ -110,7 +111,9 @@ class ModelRunner:
                                    w(p + "self_attn.v_proj.weight")], 0)
                 gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0)
             self.layers[i] = _Layer(
-                qkv=_Linear(qkv_w, qkv_b, pack), o=_Linear(w(p + "self_attn.o_proj.weight"), None, pack),
+                qkv=_Linear(qkv_w, qkv_b, pack),
+                o=_Linear(w(p + "self_attn.o_proj.weight"), w(p + "self_attn.o_proj.bias") if self.cfg.o_bias else None,
+                          pack),
                 gate_up=_Linear(gate_up_w, None, pack), down=_Linear(w(p + "mlp.down_proj.weight"), None, pack),
                 ln1=w(p + "input_layernorm.weight"), ln2=w(p + "post_attention_layernorm.weight"))
         self.embed: torch.Tensor | None = w("model.embed_tokens.weight") if self.is_first else None
@@ -128,12 +131,11 @@ class ModelRunner:
         self.embed = self.norm = self.lm_head = None
 
     def _rope_cache(self, max_pos: int) -> None:
-        d = self.cfg.head_dim
-        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        freqs = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(self.device, self.dtype)
-        self.sin = emb.sin().to(self.device, self.dtype)
+        """cos/sin for every position the context can hold, as transformers computes them (shared/model/rope.py)."""
+        cos, sin = rope.cos_sin(self.cfg.rope, self.cfg.head_dim, self.cfg.max_position_embeddings,
+                                torch.arange(max_pos))
+        self.cos = cos.to(self.device, self.dtype)
+        self.sin = sin.to(self.device, self.dtype)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -143,9 +145,7 @@ class ModelRunner:
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rot * sin
+        return rope.rotate(x, cos, sin)
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, kv: KVStorage, meta: AttentionMetadata,

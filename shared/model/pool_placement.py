@@ -40,6 +40,8 @@ def fused_layer_specs(cfg: ModelConfig) -> Callable[[int], list[TensorSpec]]:
         ]
         if cfg.qkv_bias:
             out.append(TensorSpec(p + QKV + ".bias", (qkv_rows,), dt))
+        if cfg.o_bias:  # Llama's attention_bias also biases o_proj
+            out.append(TensorSpec(p + "self_attn.o_proj.bias", (h,), dt))
         return out
 
     return specs

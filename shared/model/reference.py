@@ -1,11 +1,14 @@
 """An independent dense reference forward: the whole sequence every step, no KV cache, no paging,
 no batching, no fused projections. It is the oracle the engine's tokens are compared with, so it
-deliberately shares no code with shared/engine."""
+deliberately shares no code with shared/engine. It shares only the cos/sin of shared/model/rope.py,
+the one statement of what a checkpoint's rope_parameters mean (that math is checked against
+transformers itself in tests/unit/model/test_hf_fidelity.py)."""
 
 from __future__ import annotations
 
 import torch
 
+from kunserve.shared.model import rope
 from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.weights import Weights
 
@@ -20,14 +23,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    # x: [heads, T, d]
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    freqs = positions.to(torch.float64)[:, None] * inv[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [heads, T, d]; cos/sin: [T, d]
+    return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
 
 
 @torch.inference_mode()
@@ -39,6 +37,7 @@ def reference_logits(cfg: ModelConfig, weights: Weights, token_ids: list[int]) -
     pos = torch.arange(T)
     mask = torch.full((T, T), float("-inf")).triu(1)
     hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    cos, sin = rope.cos_sin(cfg.rope, hd, cfg.max_position_embeddings, pos)
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}."
         h = _rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
@@ -49,14 +48,16 @@ def reference_logits(cfg: ModelConfig, weights: Weights, token_ids: list[int]) -
             q = q + w[p + "self_attn.q_proj.bias"]
             k = k + w[p + "self_attn.k_proj.bias"]
             v = v + w[p + "self_attn.v_proj.bias"]
-        q = _rope(q.view(T, nh, hd).transpose(0, 1), pos, cfg.rope_theta)
-        k = _rope(k.view(T, nkv, hd).transpose(0, 1), pos, cfg.rope_theta)
+        q = _rope(q.view(T, nh, hd).transpose(0, 1), cos, sin)
+        k = _rope(k.view(T, nkv, hd).transpose(0, 1), cos, sin)
         v = v.view(T, nkv, hd).transpose(0, 1)
         k = k.repeat_interleave(nh // nkv, dim=0)
         v = v.repeat_interleave(nh // nkv, dim=0)
         att = torch.softmax(q @ k.transpose(1, 2) / hd ** 0.5 + mask, dim=-1)
         o = (att @ v).transpose(0, 1).reshape(T, nh * hd)
         x = x + o @ w[p + "self_attn.o_proj.weight"].T
+        if cfg.o_bias:
+            x = x + w[p + "self_attn.o_proj.bias"]
         h = _rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
         gate = h @ w[p + "mlp.gate_proj.weight"].T
         up = h @ w[p + "mlp.up_proj.weight"].T

@@ -40,6 +40,8 @@ def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ..
         shapes[p + "self_attn.q_proj.bias"] = (cfg.num_heads * hd,)
         shapes[p + "self_attn.k_proj.bias"] = (cfg.num_kv_heads * hd,)
         shapes[p + "self_attn.v_proj.bias"] = (cfg.num_kv_heads * hd,)
+    if cfg.o_bias:
+        shapes[p + "self_attn.o_proj.bias"] = (h,)
     return shapes
 
 
@@ -131,7 +133,29 @@ def read_config(directory: str | pathlib.Path, dtype: str | None = None) -> Mode
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{cfg_path}: not valid JSON: {exc}") from None
-    return ModelConfig.from_hf_dict(raw, name=d.name, dtype=dtype)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
+    return ModelConfig.from_hf_dict(raw, name=d.name, dtype=dtype, source=str(cfg_path))
+
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _check_index(d: pathlib.Path) -> None:
+    """A sharded checkpoint's index names the file of every tensor: a shard it names that is not there
+    is reported with the first tensor it should hold."""
+    index = d / INDEX_FILE
+    if not index.is_file():
+        return
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(f"{index}: not a valid index ({exc})") from None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: missing key 'weight_map'")
+    for name, shard in sorted(weight_map.items()):
+        if not (d / str(shard)).is_file():
+            raise ValueError(f"{index}: shard {shard} (holding {name}) is missing from {d}")
 
 
 def load_checkpoint(directory: str | pathlib.Path, layer_range: tuple[int, int] | None = None,
@@ -141,6 +165,7 @@ def load_checkpoint(directory: str | pathlib.Path, layer_range: tuple[int, int] 
 
     d = pathlib.Path(directory)
     cfg = read_config(d, dtype)
+    _check_index(d)
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {d}")
@@ -209,6 +234,7 @@ def load_model_source(path: str | pathlib.Path | None, *, seed: int = 0, dtype: 
         cfg = TINY_CONFIG if dtype is None else TINY_CONFIG.replace(dtype=dtype)
         return ModelSource(cfg.name, cfg, None, seed, load_tokenizer(None))
     cfg = read_config(path, dtype)
+    _check_index(pathlib.Path(path))
     if not sorted(pathlib.Path(path).glob("*.safetensors")):
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     return ModelSource(cfg.name, cfg, str(path), seed, load_tokenizer(str(path)))

@@ -89,13 +89,17 @@ def test_config_from_hf_dict():
     d["eos_token_id"] = [7, 8]
     d.pop("head_dim")
     cfg = ModelConfig.from_hf_dict(d)
-    assert cfg.qkv_bias and cfg.eos_token_id == 7 and cfg.head_dim == 64
+    assert cfg.qkv_bias and not cfg.o_bias and cfg.eos_token_id == 7 and cfg.head_dim == 64
+    assert cfg.eos_token_ids == (7, 8) and ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
     llama = CFG.to_hf_dict()
     assert ModelConfig.from_hf_dict(llama) == CFG.replace(name="custom")
     llama["attention_bias"] = True
-    assert ModelConfig.from_hf_dict(llama).qkv_bias
-    llama["torch_dtype"] = "bfloat16"
+    assert ModelConfig.from_hf_dict(llama).qkv_bias and ModelConfig.from_hf_dict(llama).o_bias
+    del llama["dtype"]
+    llama["torch_dtype"] = "bfloat16"  # transformers <= 4.x
     assert ModelConfig.from_hf_dict(llama).dtype == "bfloat16"
+    llama["dtype"] = "float16"  # transformers 5.x
+    assert ModelConfig.from_hf_dict(llama).dtype == "float16"
     assert ModelConfig.from_hf_dict(llama, dtype="float32").dtype == "float32"
 
 
