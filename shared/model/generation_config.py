@@ -9,10 +9,11 @@ that the engine does not implement are listed in `unsupported` for the caller to
 
 from __future__ import annotations
 
-import json
 import pathlib
 from dataclasses import dataclass, field
 from typing import Any
+
+from kunserve.shared.model.tokenizer import read_json_object
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
 UNSUPPORTED_KEYS = ("repetition_penalty", "min_p", "presence_penalty", "frequency_penalty", "typical_p", "min_new_tokens",
@@ -38,16 +39,6 @@ def _ids(value: Any, where: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _read(path: pathlib.Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
-
-
 def load_generation_defaults(model_dir: str | pathlib.Path | None, embedded_eos: int | None = None) -> GenerationDefaults:
     """The defaults of a model directory (None: the embedded model, whose only EOS is `embedded_eos`). EOS ids
     are generation_config.json's, else config.json's (each may be one id or a list)."""
@@ -55,10 +46,10 @@ def load_generation_defaults(model_dir: str | pathlib.Path | None, embedded_eos:
         return GenerationDefaults(eos_token_ids=() if embedded_eos is None else (embedded_eos,))
     d = pathlib.Path(model_dir)
     gen_path, cfg_path = d / "generation_config.json", d / "config.json"
-    gen = _read(gen_path) if gen_path.is_file() else {}
+    gen = read_json_object(gen_path) if gen_path.is_file() else {}
     eos = _ids(gen.get("eos_token_id"), str(gen_path))
     if not eos and cfg_path.is_file():
-        eos = _ids(_read(cfg_path).get("eos_token_id"), str(cfg_path))
+        eos = _ids(read_json_object(cfg_path).get("eos_token_id"), str(cfg_path))
     values: dict[str, Any] = {}
     if gen.get("do_sample") is False:
         values["temperature"] = 0.0

@@ -107,7 +107,8 @@ def _token_content(value: Any, where: str) -> str | None:
     raise ValueError(f"{where}: expected a string or an object with 'content', got {value!r}")
 
 
-def _read_json(path: pathlib.Path) -> dict[str, Any]:
+def read_json_object(path: pathlib.Path) -> dict[str, Any]:
+    """A model directory's JSON file that must hold an object; a bad one is a ValueError naming the file."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
@@ -174,9 +175,9 @@ class HFTokenizer:
 def _tokenizer_config(d: pathlib.Path) -> dict[str, Any]:
     """tokenizer_config.json, with special_tokens_map.json filling named tokens it lacks and chat_template.jinja
     (the file recent transformers versions write) taking the place of an inline chat_template."""
-    conf = _read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
+    conf = read_json_object(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
     if (d / "special_tokens_map.json").is_file():
-        for key, value in _read_json(d / "special_tokens_map.json").items():
+        for key, value in read_json_object(d / "special_tokens_map.json").items():
             if key in SPECIAL_TOKEN_KEYS and conf.get(key) is None:
                 conf[key] = value
     jinja = d / "chat_template.jinja"
