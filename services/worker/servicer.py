@@ -317,7 +317,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         peers = {p.worker_id: p.transfer_address for p in request.peers}
         if "" in peers:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "peers: every peer needs a worker_id")
-        timeout_s = min(self.transitions.timeout_s, context.time_remaining() or self.transitions.timeout_s)
+        # A peer that never answers costs the whole connect timeout: keep a fifth of the caller's deadline to
+        # answer in, or the reply (which names that peer as failed) arrives after the caller gave up.
+        remaining = context.time_remaining()
+        timeout_s = self.transitions.timeout_s if remaining is None else min(self.transitions.timeout_s,
+                                                                            0.8 * remaining)
         failed = await self.transitions.peers.connect(peers, timeout_s)
         return worker_pb2.PeerLinks(linked=self.transitions.svc.peers, failed=failed)
 
