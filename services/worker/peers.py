@@ -69,6 +69,12 @@ class PeerLinks:
         except Exception as exc:  # (a cancelled RPC raises CancelledError, a BaseException: it passes through)
             raise PeerUnreachable("UNAVAILABLE", f"cannot reach worker {wid} at {addr}: {exc}") from None
 
+    async def settle(self, timeout_s: float) -> None:
+        """Let links still being opened finish (bounded) before the transfer service closes: an endpoint
+        abandoned in the middle of its set-up can crash the process inside UCX."""
+        if self._connecting:
+            await asyncio.wait(list(self._connecting.values()), timeout=timeout_s)
+
     def _connected(self, wid: str, task: asyncio.Task) -> None:
         if self._connecting.get(wid) is task:
             del self._connecting[wid]

@@ -326,7 +326,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.PeerLinks(linked=self.transitions.svc.peers, failed=failed)
 
     async def shutdown(self) -> None:
-        """End every in-flight stream with UNAVAILABLE, then stop the engine thread (off the event loop:
-        joining it may take a step's time)."""
+        """End every in-flight stream with UNAVAILABLE, stop the engine thread (off the event loop: joining it
+        may take a step's time), and let transfer links still being opened finish before the service closes."""
         self.streams.shutdown_all(f"worker {self.identity.worker_id} is shutting down")
         await asyncio.to_thread(self.engine.stop, 5.0)
+        if self.transitions is not None:
+            await self.transitions.peers.settle(5.0)

@@ -39,6 +39,7 @@ UCX_ENV_DEFAULTS = {
 }
 SAFETY_SWEEP_S = 0.05
 SWEEP_BUDGET_S = 0.0005  # progress at most this long per sweep before yielding to the event loop
+SETTLE_S = 5.0  # at most this long, closing, for links still being set up
 
 
 class UcxUnavailable(ImportError):
@@ -239,5 +240,9 @@ class UcxTransport:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._tasks:
+            # Handshakes of incoming links finish first (each is bounded by the connect timeout): an endpoint
+            # abandoned in the middle of its set-up can crash the process inside UCX.
+            await asyncio.wait(list(self._tasks), timeout=SETTLE_S)
         for t in list(self._tasks):
             t.cancel()
