@@ -33,10 +33,6 @@ class LinkResults:
             self._lost = why
         self._queue.put((_LOST, why))
 
-    @property
-    def lost_reason(self) -> str | None:
-        return self._lost
-
     def take(self, mb_id: int, block: bool) -> torch.Tensor | None:
         """Microbatch `mb_id`'s output: the oldest in flight. None when not back yet and not `block`."""
         if self._lost is not None:
