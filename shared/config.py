@@ -20,6 +20,7 @@ from kunserve.shared.policy.overload_policies import OVERLOAD_POLICIES
 
 ENV_PREFIX = "KUNSERVE__"
 CONFIG_ENV = "KUNSERVE_CONFIG"  # path of the config file when --config is not given
+EMBEDDED_SERVED_NAME = "kunserve-tiny"  # the embedded model's id on the HTTP front
 
 
 class ConfigError(ValueError):
@@ -32,6 +33,12 @@ class ModelSection:
     dtype: str = "float32"
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0  # seed of the embedded model's random weights
+    served_name: str = ""  # the model id of the HTTP front (/v1/models); empty = the directory's name, or kunserve-tiny
+    chat_template: str = ""  # a jinja chat template file used instead of the model's own; empty = the model's
+
+    @property
+    def served_model(self) -> str:
+        return self.served_name or (pathlib.Path(self.path).name if self.path else EMBEDDED_SERVED_NAME)
 
 
 @dataclass
@@ -75,6 +82,17 @@ class DispatcherSection(ServiceSection):
     # Liveness: a worker whose stats stop answering, or whose engine has running requests but makes no
     # progress, for this long is taken out of routing and its requests resume elsewhere.
     stall_timeout_s: float = 3.0
+    # The OpenAI-compatible HTTP front (/v1/completions, /v1/chat/completions, ...) on the same host / bind as
+    # the gRPC API; 0 = none.
+    http_port: int = 8000
+
+    @property
+    def http_address(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def http_bind(self) -> tuple[str, int]:
+        return self.bind or self.host, self.http_port
 
 
 @dataclass
@@ -312,6 +330,9 @@ def validate(cfg: ClusterConfig) -> None:
                       ("monitor", cfg.monitor)] + [(f"workers[{i}]", w) for i, w in enumerate(cfg.workers)]:
         if not (0 <= svc.port < 65536):
             raise ConfigError(f"{src}: {name}.port must be in [0, 65535], got {svc.port}")
+        http_port = getattr(svc, "http_port", 0)
+        if not (0 <= http_port < 65536):
+            raise ConfigError(f"{src}: {name}.http_port must be in [0, 65535] (0 = no HTTP front), got {http_port}")
         transfer_port = getattr(svc, "transfer_port", 0)
         if not (0 <= transfer_port < 65536):
             raise ConfigError(f"{src}: {name}.transfer_port must be in [0, 65535], got {transfer_port}")

@@ -20,18 +20,17 @@ import sys
 from typing import Any
 
 from kunserve.shared.model.architecture import TINY_CONFIG, ModelConfig
-from kunserve.shared.model.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_SPECIALS, PRINTABLE_COUNT, PRINTABLE_FIRST
+from kunserve.shared.model.tokenizer import (
+    BYTE_BOS,
+    BYTE_EOS,
+    BYTE_SPECIALS,
+    EMBEDDED_CHAT_TEMPLATE,
+    PRINTABLE_COUNT,
+    PRINTABLE_FIRST,
+)
 
 MARKER = "\u2063"  # INVISIBLE SEPARATOR: outside the byte-level alphabet (which stops at U+0143)
 BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-)
-
-
 def _byte_level_alphabet() -> dict[int, str]:
     """GPT-2's bytes_to_unicode: the character each byte is written as in a byte-level vocabulary."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
@@ -72,7 +71,7 @@ def tokenizer_config(cfg: ModelConfig) -> dict[str, Any]:
         "split_special_tokens": True,
         "clean_up_tokenization_spaces": False,
         "model_max_length": cfg.max_position_embeddings,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": EMBEDDED_CHAT_TEMPLATE,
     }
 
 

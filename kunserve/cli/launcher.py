@@ -69,6 +69,8 @@ def assign_free_ports(cfg: ClusterConfig) -> None:
     for svc in [cfg.dispatcher, cfg.memory_manager, cfg.monitor, *cfg.workers]:
         svc.port = free_port()
         svc.host = "127.0.0.1"
+    if cfg.dispatcher.http_port:
+        cfg.dispatcher.http_port = free_port()
     for w in cfg.workers:
         w.transfer_port = free_port()
 

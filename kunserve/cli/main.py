@@ -77,6 +77,8 @@ def cmd_up(args: argparse.Namespace) -> None:
     table.add_column("log")
     for c in cluster.children:
         table.add_row(c.name, c.address, str(c.log_path))
+        if c.name == "dispatcher" and cfg.dispatcher.http_port:
+            table.add_row("  OpenAI API", f"http://{cfg.dispatcher.http_address}/v1", f"model {cfg.model.served_model!r}")
     console.print(table)
     console.print(f"Generate: [bold]kunserve generate --address {cfg.dispatcher.address} \"Hello\"[/]   "
                   f"Status: [bold]kunctl --address {cfg.memory_manager.address} status[/]")

@@ -7,12 +7,14 @@ import dataclasses
 import sys
 
 from kunserve.services.common import load_service_config, load_service_credentials, service_arg_parser
+from kunserve.services.dispatcher.http_front import HttpFront, ssl_context_of
 from kunserve.services.dispatcher.limits import limits_from_config
 from kunserve.services.dispatcher.servicer import DispatcherServicer, WorkerPool
 from kunserve.shared import rpc
 from kunserve.shared.config import ConfigError
 from kunserve.shared.credentials import dispatcher_rules
 from kunserve.shared.model.architecture import TINY_CONFIG
+from kunserve.shared.model.chat_template import ChatTemplateError, chat_template_for
 from kunserve.shared.model.generation_config import load_generation_defaults
 from kunserve.shared.model.tokenizer import load_tokenizer
 from kunserve.v1 import generation_pb2_grpc
@@ -22,9 +24,20 @@ WORKER_WAIT_S = 60.0  # at start-up, wait this long for every worker before repo
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = service_arg_parser("kunserve-dispatcher", "Client API: routes requests to workers and streams tokens.")
+    parser = service_arg_parser("kunserve-dispatcher", "Client API: routes requests to workers and streams tokens "
+                                "(gRPC, and the OpenAI-compatible HTTP front).")
+    parser.add_argument("--http-port", type=int, help="override dispatcher.http_port (0 = no HTTP front)")
+    parser.add_argument("--chat-template", metavar="FILE", help="override model.chat_template: a jinja chat template "
+                        "used instead of the model's own")
+    parser.add_argument("--served-model-name", help="override model.served_name: the model id on the HTTP front")
     args = parser.parse_args(argv)
     cfg, log = load_service_config(args, "dispatcher", section="dispatcher")
+    if args.http_port is not None:
+        cfg.dispatcher.http_port = args.http_port
+    if args.chat_template:
+        cfg.model.chat_template = args.chat_template
+    if args.served_model_name:
+        cfg.model.served_name = args.served_model_name
     creds = load_service_credentials(cfg, "dispatcher", api_key=True)
     try:
         tokenizer = load_tokenizer(cfg.model.path or None)
@@ -33,6 +46,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"dispatcher: cannot load the tokenizer / generation_config of {cfg.model.path!r}: {exc}",
               file=sys.stderr)
         raise SystemExit(2) from None
+    chat_template, chat_error = None, ""
+    try:
+        chat_template = chat_template_for(tokenizer, cfg.model.chat_template or None)
+    except ChatTemplateError as exc:
+        if cfg.model.chat_template:  # asked for by name: a broken override is a start-up error
+            print(f"dispatcher: model.chat_template: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        chat_error = str(exc)  # the model simply has none: chat requests get this as their 400
     if generation.unsupported:
         log.warning("generation_config_keys_not_applied", keys=generation.unsupported,
                     reason="the sampler does not implement them")
@@ -49,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
         servicer = DispatcherServicer(pool, tokenizer, route_timeout_s=cfg.dispatcher.route_timeout_s,
                                       limits=limits, generation=generation)
         tasks: list[asyncio.Task] = []
+        front = HttpFront(servicer, served_model=cfg.model.served_model, model_root=cfg.model.path or "embedded",
+                          chat_template=chat_template, chat_template_error=chat_error, api_key=creds.api_key,
+                          max_body_bytes=limits.max_message_bytes)
 
         def register(server) -> None:
             generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -57,11 +81,20 @@ def main(argv: list[str] | None = None) -> None:
             healthy = await pool.wait_for_workers(WORKER_WAIT_S)
             log.info("workers_reachable", healthy=healthy, configured=len(cfg.workers))
             tasks.append(asyncio.create_task(pool.poll_forever(ROUTER_POLL_INTERVAL_S)))
+            if cfg.dispatcher.http_port:  # listening before the health check says SERVING
+                host, port = cfg.dispatcher.http_bind
+                tls = ssl_context_of(creds.tls.cert_chain, creds.tls.private_key) if creds.tls is not None else None
+                try:
+                    await front.start(host, port, tls)
+                except OSError as exc:
+                    log.error("bind_failed", address=f"{host}:{port}", error=str(exc))
+                    raise SystemExit(f"dispatcher: cannot listen on {host}:{port} (dispatcher.http_port): {exc}") from None
 
         async def stopping() -> None:
             await servicer.shutdown()  # refuses new requests from here on, ends the in-flight ones
             for t in tasks:
                 t.cancel()
+            await front.stop()
 
         await rpc.run_service("kunserve.v1.Generation", cfg.dispatcher.bind_address, register,
                               on_started=started, on_shutdown=stopping, auth=dispatcher_rules(creds), tls=creds.tls,

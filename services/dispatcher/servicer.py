@@ -25,7 +25,7 @@ import asyncio
 import hashlib
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -64,6 +64,20 @@ _WORKER_FAILURE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 def _ended_by_worker(exc: grpc.aio.AioRpcError | None) -> bool:
     """The worker ended the stream on purpose (shutdown, request lost to a layout change), rather than dying."""
     return exc is not None and any(k == WORKER_END for k, _ in (exc.trailing_metadata() or ()))
+
+
+class RequestError(Exception):
+    """Why a request is refused or ended: a gRPC status and a message that starts with the field or bound at
+    fault. The gRPC API aborts with it; the HTTP front answers the matching OpenAI error."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.retry_after_ms = code, message, retry_after_ms
+
+    @classmethod
+    def refused(cls, refusal: Refusal) -> RequestError:
+        """Admission said no: RESOURCE_EXHAUSTED with when to try again."""
+        return cls(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, refusal.retry_after_ms)
 
 
 @dataclass
@@ -287,7 +301,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                  else f"dispatcher.max_prompt_tokens = {self.limits.max_prompt_tokens}")
         return f"prompt: {n} {what} exceed {bound} tokens"
 
-    async def _prompt_ids(self, request: generation_pb2.GenerateRequest, context) -> list[int]:
+    async def _prompt_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:
         """The prompt's token ids, measured before anything is tokenized or copied: a text longer than
         dispatcher.max_prompt_bytes and an id list longer than the token limit are refused at once."""
         kind = request.WhichOneof("prompt")
@@ -295,26 +309,26 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         if kind == "token_ids":
             n = len(request.token_ids.ids)
             if n > lim.max_prompt_tokens:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self._prompt_too_long(n, "token ids"))
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, self._prompt_too_long(n, "token ids"))
             return list(request.token_ids.ids)
         if kind == "text":
             if self.tokenizer is None:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                     "prompt.text: the served model has no tokenizer; send prompt.token_ids")
             # characters <= UTF-8 bytes: a text with more characters than the bound is too long unencoded
             size = len(request.text)
             if size <= lim.max_prompt_bytes:
                 size = len(request.text.encode("utf-8"))
             if size > lim.max_prompt_bytes:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"prompt.text: {size} bytes or more exceed dispatcher.max_prompt_bytes = "
                                     f"{lim.max_prompt_bytes} (a text that long cannot fit {lim.max_prompt_tokens} "
                                     "tokens); shorten the prompt")
             ids = list(self.tokenizer.encode(request.text))
             if len(ids) > lim.max_prompt_tokens:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self._prompt_too_long(len(ids), "tokens"))
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, self._prompt_too_long(len(ids), "tokens"))
             return ids
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set either text or token_ids")
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set either text or token_ids")
         return []
 
     @staticmethod
@@ -332,10 +346,6 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         live, kv_tokens = self.pool.capacity()
         tokens = self.limits.max_queued_prompt_tokens or max(kv_tokens, self.limits.max_prompt_tokens)
         return self.limits.max_inflight_per_worker * max(1, live), tokens
-
-    async def _refuse(self, context, refusal: Refusal) -> None:
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message,
-                            trailing_metadata=((RETRY_PUSHBACK_KEY, str(refusal.retry_after_ms)),))
 
     def _admit(self, rid: str, prompt_tokens: int, now: float) -> Refusal | None:
         max_inflight, max_tokens = self._bounds()
@@ -393,19 +403,19 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             out.stop_token_ids.extend(extra)
         return out
 
-    async def _check_stops(self, sampling: common_pb2.SamplingParams, context) -> None:
+    async def _check_stops(self, sampling: common_pb2.SamplingParams) -> None:
         stops = list(sampling.stop)
         if not stops:
             return
         if self.tokenizer is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                 "sampling.stop: the served model has no tokenizer, so no text to match stop strings in")
         if len(stops) > MAX_STOP_STRINGS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"sampling.stop: {len(stops)} stop strings; at most {MAX_STOP_STRINGS}")
         for i, s in enumerate(stops):
             if not s or len(s) > MAX_STOP_STRING_LEN:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"sampling.stop[{i}]: must have 1 to {MAX_STOP_STRING_LEN} characters, got {len(s)}")
 
     def _text(self, record: RequestRecord, token_id: int, final: bool) -> tuple[str, bool]:
@@ -438,49 +448,67 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         except TimeoutError:
             pass
 
-    # -- RPCs ---------------------------------------------------------------------------------------
-    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    # -- the request lifecycle, shared by the gRPC API and the HTTP front --------------------------------
+    async def open(self, request: generation_pb2.GenerateRequest, owner: str) -> RequestRecord:
+        """Validate, admit and register a request (raises RequestError). From here it counts against the
+        admission bounds until `events` has run to its end or was closed, so every open must be followed by
+        `events`."""
         arrival = time.monotonic()
         if self.stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         rid = request.request_id or uuid.uuid4().hex
         if len(rid) > MAX_REQUEST_ID_LEN:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: longer than {MAX_REQUEST_ID_LEN} characters")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: longer than {MAX_REQUEST_ID_LEN} characters")
         if rid in self.records:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running")
-        prompt = await self._prompt_ids(request, context)
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running")
+        prompt = await self._prompt_ids(request)
         if not prompt:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
         effective = self._effective_sampling(request.sampling, len(prompt))
-        await self._check_stops(effective, context)
+        await self._check_stops(effective)
         sampling = sampling_from_pb(effective)
         if sampling.max_tokens <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.max_tokens: must be > 0, got {sampling.max_tokens}")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.max_tokens: must be > 0, got {sampling.max_tokens}")
         total = len(prompt) + sampling.max_tokens
         if total > self.limits.context_len:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) = "
-                                f"{total} exceeds the model context of {self.limits.context_len}")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) = "
+                               f"{total} exceeds the model context of {self.limits.context_len}")
         refusal = self._admit(rid, len(prompt), arrival)
         if refusal is not None:
-            await self._refuse(context, refusal)
+            raise RequestError.refused(refusal)
         record = RequestRecord(rid, prompt, arrival, sampling=effective, max_tokens=sampling.max_tokens,
-                               last_event=arrival, owner=self._owner(context),
+                               last_event=arrival, owner=owner,
                                text=self.tokenizer.decode_stream() if self.tokenizer is not None else None,
                                stops=tuple(effective.stop), user_stop_ids=frozenset(request.sampling.stop_token_ids))
         self.records[rid] = record
+        return record
+
+    async def events(self, record: RequestRecord) -> AsyncGenerator[generation_pb2.GenerateEvent, None]:
+        """The opened request's events to its end (raises RequestError). Closing the iterator early (the client
+        went away) cancels the worker's call, which frees the request's KV at once."""
         expiry = asyncio.get_running_loop().call_later(self.limits.queue_timeout_s, self._queue_expired, record)
         try:
-            async for ev in self._serve(record, context):
+            async for ev in self._serve(record):
                 yield ev
         finally:
             expiry.cancel()
             if record.call is not None:
-                record.call.cancel()  # client went away or we failed: free the worker's KV now
-            self.records.pop(rid, None)
-            self.admission.release(rid, time.monotonic())
+                record.call.cancel()
+            self.records.pop(record.request_id, None)
+            self.admission.release(record.request_id, time.monotonic())
 
-    async def _serve(self, record: RequestRecord, context):
+    # -- RPCs ---------------------------------------------------------------------------------------
+    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            record = await self.open(request, self._owner(context))
+            async for ev in self.events(record):
+                yield ev
+        except RequestError as exc:
+            trailer = ((RETRY_PUSHBACK_KEY, str(exc.retry_after_ms)),) if exc.retry_after_ms is not None else ()
+            await context.abort(exc.code, exc.message, trailing_metadata=trailer)
+
+    async def _serve(self, record: RequestRecord):
         """Drive one request over as many worker streams as it takes (retries, moves, resumes).
 
         Resume after a worker failure (KunServe §4.4): a new worker request with the same request_id,
@@ -503,12 +531,12 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                 yield self._final_event(record, common_pb2.FINISH_REASON_ABORTED)
                 return
             if record.shutting_down or self.stopping:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{SHUTTING_DOWN}; retry the request")
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{SHUTTING_DOWN}; retry the request")
             if record.expired:
                 wait = self.admission.retry_after_s(time.monotonic())
                 self.log.warning("request_queue_timeout", request_id=rid, timeout_s=self.limits.queue_timeout_s,
                                  worker=record.worker_id or None)
-                await self._refuse(context, Refusal(
+                raise RequestError.refused(Refusal(
                     "dispatcher.queue_timeout_s",
                     f"request {rid!r} got no first token within dispatcher.queue_timeout_s = "
                     f"{self.limits.queue_timeout_s:g} s: the cluster is overloaded; retry in {wait * 1000:.0f} ms",
@@ -522,7 +550,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                 if remaining <= 0:  # every token was emitted but the finish event was lost with the worker
                     yield self._final_event(record, common_pb2.FINISH_REASON_LENGTH)
                     return
-                routed = await self._route(record, dead, failures, context)
+                routed = await self._route(record, dead, failures)
                 if routed is None:
                     continue  # cancelled or shutting down while waiting: the loop top answers
                 wid = routed
@@ -551,9 +579,9 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                 failures.append(f"{wid}: moved to {seg.moved_to!r}, which cannot be attached")
                 self.log.warning("request_move_unusable", request_id=rid, from_worker=wid, to_worker=seg.moved_to,
                                  moves=moves)
-                await self._resume_or_give_up(record, wid, failures, context)
+                await self._resume_or_give_up(record, wid, failures)
                 continue
-            await self._after_failure(record, seg, dead, failures, context)
+            await self._after_failure(record, seg, dead, failures)
 
     def _worker_request(self, record: RequestRecord, remaining: int) -> worker_pb2.WorkerGenerateRequest:
         emitted = len(record.token_ids)
@@ -566,8 +594,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                                                 prompt_token_ids=record.prompt_token_ids + record.token_ids,
                                                 sampling=sampling)
 
-    async def _after_failure(self, record: RequestRecord, seg: _Segment, dead: set[str], failures: list[str],
-                             context) -> None:
+    async def _after_failure(self, record: RequestRecord, seg: _Segment, dead: set[str], failures: list[str]) -> None:
         """A worker stream ended without finishing: decide between retry, resume and an error."""
         rid, wid, exc = record.request_id, seg.worker_id, seg.error
         code = exc.code() if exc is not None else None
@@ -587,7 +614,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                 await self._cancel_on_worker(wid, rid)
             self.log.warning("attach_failed", request_id=rid, worker=wid, code=code.name if code else None,
                              error=details)
-            await self._resume_or_give_up(record, wid, failures, context)
+            await self._resume_or_give_up(record, wid, failures)
             return
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             # Alive but not routable (dropped layers, forming a group): wait for a poll that says it
@@ -597,7 +624,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                           error=details)
             if seg.received:
                 failures.append(f"{wid}: {code.name}: {details}")
-                await self._resume_or_give_up(record, wid, failures, context)
+                await self._resume_or_give_up(record, wid, failures)
             return
         if code is None or code in _WORKER_FAILURE_CODES:
             self.pool.failed(wid)
@@ -605,34 +632,34 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             failures.append(f"{wid}: {code.name if code else ('STALLED' if seg.stalled else 'ENDED')}: {details}")
             record.crashes += not seg.stalled and not _ended_by_worker(exc)
             if record.token_ids:
-                await self._resume_or_give_up(record, wid, failures, context)
+                await self._resume_or_give_up(record, wid, failures)
             else:
                 # Nothing was streamed yet: a plain retry elsewhere.
                 self.log.warning("worker_unavailable_retrying", request_id=rid, worker=wid, error=details)
             if record.crashes >= MAX_WORKER_CRASHES and self.pool.router.choose(exclude=dead) is not None:
                 self.log.error("request_quarantined", request_id=rid, crashes=record.crashes, failures=failures)
-                await context.abort(grpc.StatusCode.INTERNAL,
+                raise RequestError(grpc.StatusCode.INTERNAL,
                                     f"request {rid!r} was running on {record.crashes} workers that failed; it is not "
                                     "sent to another, since it may be what makes them fail: " + "; ".join(failures))
             return
         # Validation and other errors from the worker keep their status and message.
-        await context.abort(code, details)
+        raise RequestError(code, details)
 
-    async def _resume_or_give_up(self, record: RequestRecord, wid: str, failures: list[str], context) -> None:
+    async def _resume_or_give_up(self, record: RequestRecord, wid: str, failures: list[str]) -> None:
         if not record.token_ids:
             return  # nothing emitted: the next attempt is a plain (re)try, not a resume
         record.resumes += 1
         if record.resumes > self.max_resumes:
             self.log.error("request_resume_gave_up", request_id=record.request_id, emitted=len(record.token_ids),
                            resumes=record.resumes - 1, failures=failures)
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
+            raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                 f"request {record.request_id!r} lost its worker {record.resumes} times after "
                                 f"{len(record.token_ids)} tokens; gave up after {self.max_resumes} resumes: "
                                 + "; ".join(failures))
         self.log.warning("request_resuming", request_id=record.request_id, from_worker=wid,
                          emitted=len(record.token_ids), attempt=record.resumes, error=failures[-1] if failures else "")
 
-    async def _route(self, record: RequestRecord, dead: set[str], failures: list[str], context) -> str | None:
+    async def _route(self, record: RequestRecord, dead: set[str], failures: list[str]) -> str | None:
         """The most-free routable worker not in `dead`; waits (re-polling) while none is routable but
         some candidate is alive, up to route_timeout_s without a token. None: cancelled / shutting down."""
         router = self.pool.router
@@ -650,7 +677,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             if polled:
                 alive = router.may_become_routable(exclude=dead)
                 if not alive or time.monotonic() >= record.route_deadline:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, self._no_route_message(record, dead, failures))
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE, self._no_route_message(record, dead, failures))
                 if not logged:
                     logged = True
                     self.log.info("waiting_for_routable_worker", request_id=record.request_id,

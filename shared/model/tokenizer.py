@@ -26,6 +26,14 @@ BYTE_BOS = 256
 BYTE_EOS = 257
 BYTE_SPECIALS = 258
 PRINTABLE_FIRST, PRINTABLE_COUNT = 32, 95
+# The embedded model's chat format (role tags, one line each): what the front renders its chats with, and what
+# `kunserve export-model` writes into tokenizer_config.json, so a chat served either way is the same prompt.
+EMBEDDED_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -56,7 +64,7 @@ class ByteTokenizer:
 
     bos_token_id = BYTE_BOS
     eos_token_id = BYTE_EOS
-    chat_template: str | None = None
+    chat_template: str | None = EMBEDDED_CHAT_TEMPLATE
     special_tokens: dict[str, str] = {"bos_token": "<s>", "eos_token": "</s>"}
     source = "the embedded byte tokenizer"
 
