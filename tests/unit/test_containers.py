@@ -261,10 +261,12 @@ def test_ports_agree_with_the_cluster_config():
             parts = str(spec).split(":")
             host_ip = parts[0] if len(parts) == 3 else ""
             host_port, container_port = int(parts[-2]), int(parts[-1])
-            published[name] = (host_ip, host_port, container_port)
-    assert set(published) == {"dispatcher", "memory-manager"}, "only the client and the admin port are published"
-    assert published["dispatcher"][1:] == (CFG.dispatcher.port, CFG.dispatcher.port)
-    assert published["memory-manager"] == ("127.0.0.1", CFG.memory_manager.port, CFG.memory_manager.port), \
+            published.setdefault(name, []).append((host_ip, host_port, container_port))
+    assert set(published) == {"dispatcher", "memory-manager"}, "only the client and the admin ports are published"
+    assert sorted(p[1:] for p in published["dispatcher"]) == sorted(
+        [(CFG.dispatcher.port, CFG.dispatcher.port), (CFG.dispatcher.http_port, CFG.dispatcher.http_port)]), \
+        "the dispatcher publishes its gRPC and its HTTP port"
+    assert published["memory-manager"] == [("127.0.0.1", CFG.memory_manager.port, CFG.memory_manager.port)], \
         "the admin port is published on 127.0.0.1 only"
 
 
@@ -348,7 +350,8 @@ def test_dockerfile_is_multi_stage_non_root_with_a_grpc_healthcheck(dockerfile):
 
 
 def test_dockerfile_exposes_the_configured_ports():
-    ports = {CFG.dispatcher.port, CFG.memory_manager.port, CFG.monitor.port, *(w.port for w in CFG.workers)}
+    ports = {CFG.dispatcher.port, CFG.dispatcher.http_port, CFG.memory_manager.port, CFG.monitor.port,
+             *(w.port for w in CFG.workers)}
     for dockerfile in DOCKERFILES:
         exposed = {int(p) for word, rest in dockerfile_instructions(dockerfile) if word == "EXPOSE"
                    for p in rest.split()}
