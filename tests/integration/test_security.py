@@ -259,7 +259,8 @@ def test_transfer_port_refuses_outsiders_and_a_spoofed_worker_1_cannot_replace_t
 
 def test_a_cluster_with_mutual_tls_serves_and_kunctl_reaches_it(tmp_path):
     """TLS end to end: every service serves it (mutual TLS inside), the launcher's health checks, the
-    services' own channels, the client and kunctl all use the config's certificates."""
+    services' own channels, the client and kunctl all use the config's certificates. With an API key, the
+    HTTP front serves HTTPS with the same certificate and refuses /v1 requests without the key."""
     import shutil
 
     if shutil.which("openssl") is None:
@@ -272,6 +273,9 @@ def test_a_cluster_with_mutual_tls_serves_and_kunctl_reaches_it(tmp_path):
     sec = cfg.security
     sec.tls_cert_file = sec.tls_client_cert_file = sec.tls_ca_file = str(cert)
     sec.tls_key_file = sec.tls_client_key_file = str(key)
+    api_key = "k" * 32
+    (tmp_path / "api_key").write_text(api_key)
+    sec.api_key_file = str(tmp_path / "api_key")
     with LocalCluster(cfg, run_dir=tmp_path / "run") as c:
         c.start(timeout_s=120)
         creds = client.credentials_from(c.cfg, environ={})
@@ -284,3 +288,19 @@ def test_a_cluster_with_mutual_tls_serves_and_kunctl_reaches_it(tmp_path):
         out = subprocess.run(kunctl_argv(c, "status", "--json"), capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert len(json.loads(out.stdout)["cluster"]["workers"]) == 2  # the memory manager reached the monitor
+
+        import http.client
+        import ssl
+
+        host, port = c.cfg.dispatcher.http_address.rsplit(":", 1)
+        https = ssl.create_default_context(cafile=str(cert))
+        for headers, status in (({}, 401), ({"Authorization": "Bearer wrong"}, 401),
+                                ({"Authorization": f"Bearer {api_key}"}, 200)):
+            conn = http.client.HTTPSConnection(host, int(port), context=https, timeout=30)
+            conn.request("GET", "/v1/models", headers=headers)
+            resp = conn.getresponse()
+            body = json.loads(resp.read())
+            assert resp.status == status, body
+            assert status == 200 or body["error"]["code"] == "invalid_api_key"
+        conn.request("GET", "/health")  # open, like the gRPC health service
+        assert conn.getresponse().status == 200
