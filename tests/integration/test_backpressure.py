@@ -136,6 +136,38 @@ def test_oversize_prompts_are_refused_and_the_dispatcher_memory_stays_flat(clust
     check_against_reference([1, 2, 3], res.token_ids, 4)
 
 
+def test_the_http_front_refuses_a_storm_with_429_and_oversize_bodies_with_4xx(cluster):
+    """The same bounds through the OpenAI front: refusals are 429 OpenAI errors with Retry-After, every accepted
+    request completes with all its tokens, and a body beyond the message limit is a 4xx error object."""
+    import aiohttp
+
+    url = f"http://{cluster.cfg.dispatcher.http_address}/v1/completions"
+    n, max_tokens = 40, 16
+
+    async def one(session, i):
+        body = {"prompt": [20 + i, 21, 22], "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+        async with session.post(url, json=body) as resp:
+            return resp.status, dict(resp.headers), await resp.json()
+
+    async def scenario():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            storm = await asyncio.gather(*(one(session, i) for i in range(n)))
+            async with session.post(url, data=b"{\"prompt\": \"" + b"x" * (10 * MIB) + b"\"}",
+                                    headers={"Content-Type": "application/json"}) as resp:
+                return storm, resp.status, await resp.json()
+
+    storm, big_status, big = run(scenario(), timeout=180)
+    refused = [(h, b) for status, h, b in storm if status == 429]
+    accepted = [b for status, _, b in storm if status == 200]
+    assert len(refused) + len(accepted) == n, [s for s, _, _ in storm]
+    assert refused and len(accepted) >= 2 * PER_WORKER
+    for headers, body in refused:
+        assert body["error"]["type"] == "rate_limit_error" and "max_inflight_per_worker" in body["error"]["message"]
+        assert int(headers["Retry-After"]) >= 1
+    assert all(b["usage"]["completion_tokens"] == max_tokens for b in accepted)
+    assert 400 <= big_status < 500 and "exceeds" in big["error"]["message"]
+
+
 def test_cancel_from_another_client_does_not_cancel(cluster):
     address = cluster.cfg.dispatcher.address
     n = 200
