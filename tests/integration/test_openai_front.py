@@ -227,3 +227,24 @@ def test_unknown_model_malformed_json_and_bad_chat_are_4xx_errors(front):
     conn.request("GET", "/v1/nothing")
     resp = conn.getresponse()
     assert resp.status == 404 and "error" in json.loads(resp.read())
+
+
+def test_the_payloads_vllm_bench_serve_sends_are_served(front):
+    """`vllm bench serve --backend openai` / `--backend openai-chat` send exactly these bodies (vLLM's
+    benchmarks/lib/endpoint_request_func.py): its neutral repetition_penalty, a null logprobs, text parts in
+    chat content, max_completion_tokens, usage at the end of the stream, and an x-request-id header."""
+    completions = {"model": MODEL, "prompt": PROMPT_IDS, "repetition_penalty": 1.0, "max_tokens": 6, "logprobs": None,
+                   "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Say something."}]}],
+            "max_completion_tokens": 6, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    host, port = front.cfg.dispatcher.http_address.rsplit(":", 1)
+    for path, body in (("/v1/completions", completions), ("/v1/chat/completions", chat)):
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json",
+                                                      "x-request-id": f"vllm-bench-{path.count('/')}"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        assert resp.status == 200, raw
+        chunks = [json.loads(m.removeprefix(b"data: ")) for m in raw.split(b"\n\n") if m and m != b"data: [DONE]"]
+        tokens = [c for c in chunks if c["choices"]]
+        assert len(tokens) == 6 and chunks[-1]["usage"]["completion_tokens"] == 6
