@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import os
+import pathlib
 import signal
 import sys
 import threading
@@ -45,6 +46,19 @@ def cmd_up(args: argparse.Namespace) -> None:
     cfg = _load(args)
     if args.model is not None:
         cfg.model.path = args.model
+    if args.served_model_name:
+        cfg.model.served_name = args.served_model_name
+    if args.http_port is not None:
+        cfg.dispatcher.http_port = args.http_port
+    if args.chat_template:
+        from kunserve.shared.model.chat_template import ChatTemplate, ChatTemplateError
+
+        path = pathlib.Path(args.chat_template).resolve()
+        try:  # refused here, before anything starts, rather than by the dispatcher after the workers loaded
+            ChatTemplate(path.read_text(encoding="utf-8"), str(path))
+        except (OSError, ChatTemplateError) as exc:
+            _fail(f"--chat-template: {exc}")
+        cfg.model.chat_template = str(path)
     if args.workers is not None:
         if args.workers < 1:
             _fail("--workers must be >= 1")
@@ -209,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start the whole cluster as local processes and serve until Ctrl-C")
     up.add_argument("--model", help="local Hugging Face-format model directory (default: the embedded tiny model)")
     up.add_argument("--workers", type=int, help="number of workers (default: from the config, 2)")
+    up.add_argument("--chat-template", metavar="FILE", help="jinja chat template for the HTTP front's chats, instead "
+                    "of the model's own")
+    up.add_argument("--served-model-name", help="the model id on the HTTP front (default: the model directory's name)")
+    up.add_argument("--http-port", type=int, help="port of the OpenAI-compatible HTTP front (default 8000; 0 = none)")
     up.add_argument("--free-ports", action="store_true", help="pick unused loopback ports instead of the configured ones")
     up.add_argument("--run-dir", help="directory for logs and the effective config (default: a temp dir)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every service to be healthy")
