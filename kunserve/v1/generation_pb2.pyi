@@ -26,7 +26,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("request_id", "token_id", "text", "index", "finish_reason", "elapsed_s", "token_latency_s", "worker_id", "num_prompt_tokens")
+    __slots__ = ("request_id", "token_id", "text", "index", "finish_reason", "elapsed_s", "token_latency_s", "worker_id", "num_prompt_tokens", "logprob", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class GenerateEvent(_message.Message):
     TOKEN_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_id: int
     text: str
@@ -45,4 +47,6 @@ class GenerateEvent(_message.Message):
     token_latency_s: float
     worker_id: str
     num_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., elapsed_s: _Optional[float] = ..., token_latency_s: _Optional[float] = ..., worker_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., elapsed_s: _Optional[float] = ..., token_latency_s: _Optional[float] = ..., worker_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...

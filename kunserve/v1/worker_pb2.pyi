@@ -268,18 +268,22 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., attach: _Optional[bool] = ...) -> None: ...
 
 class WorkerTokenEvent(_message.Message):
-    __slots__ = ("request_id", "token_id", "index", "finish_reason", "moved_to")
+    __slots__ = ("request_id", "token_id", "index", "finish_reason", "moved_to", "logprob", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     MOVED_TO_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_id: int
     index: int
     finish_reason: _common_pb2.FinishReason
     moved_to: str
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., moved_to: _Optional[str] = ...) -> None: ...
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., moved_to: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "address", "model_name", "num_layers_model", "layer_start", "layer_end", "vocab_size", "max_model_len", "block_size", "kv_blocks_total", "device", "dtype", "transfer_address", "group_id", "group_members", "epoch", "serving", "transitioning", "transfer_peers", "transition_epoch")

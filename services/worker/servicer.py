@@ -22,7 +22,7 @@ from kunserve.shared.rpc import WORKER_END
 from kunserve.shared.streams import Shutdown, StreamRegistry
 from kunserve.shared.transfer.service import TransferError
 from kunserve.shared.wire.cluster_state import busy_idle_fields, engine_stats_to_pb
-from kunserve.shared.wire.requests import finish_to_pb, sampling_from_pb
+from kunserve.shared.wire.requests import finish_to_pb, logprobs_to_pb, sampling_from_pb
 from kunserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from .handover import Moved
@@ -143,8 +143,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     yield worker_pb2.WorkerTokenEvent(request_id=rid, token_id=-1, index=ev.index,
                                                       finish_reason=finish_to_pb(ev.finish_reason))
                     return
-                yield worker_pb2.WorkerTokenEvent(request_id=rid, token_id=ev.token_id, index=ev.index,
+                out = worker_pb2.WorkerTokenEvent(request_id=rid, token_id=ev.token_id, index=ev.index,
                                                   finish_reason=finish_to_pb(ev.finish_reason))
+                logprobs_to_pb(ev, out)
+                yield out
                 if ev.finished:
                     finished = True
                     return

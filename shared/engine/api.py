@@ -10,6 +10,9 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's top_logprobs bound, vLLM's default)
 
 
 class InvalidRequest(ValueError):
@@ -31,6 +34,7 @@ class SamplingParams:
     seed: int | None = None  # per-request generator seed for reproducible sampling
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # benchmarks replay exact output lengths
+    logprobs: int | None = None  # None: none; N: the chosen token's logprob and the N most likely tokens'
 
     def validate(self, vocab_size: int) -> None:
         if self.max_tokens <= 0:
@@ -44,6 +48,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not (0 <= t < vocab_size):
                 raise InvalidRequest("stop_token_ids", f"token id {t} outside vocabulary [0, {vocab_size})")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}] (the number of most likely tokens "
+                                 f"to return besides the chosen one), got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -87,6 +94,14 @@ class FinishReason(enum.Enum):
     ERROR = "error"  # the engine failed on this request alone (TokenEvent.error says how); never retried elsewhere
 
 
+class TokenLogprob(NamedTuple):
+    """A token and its log-probability: log-softmax of the model's raw logits (before temperature, top-k and
+    top-p), what vLLM reports by default, so a client sees the model's distribution whatever it sampled with."""
+
+    token_id: int
+    logprob: float
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """One generated token (or a terminal event with token_id == -1 for aborts)."""
@@ -96,6 +111,10 @@ class TokenEvent:
     index: int  # 0-based position among generated tokens
     finish_reason: FinishReason = FinishReason.NONE
     error: str = ""  # with FinishReason.ERROR: what failed
+    # Only when the request asked for sampling.logprobs: the chosen token's, and the most likely tokens' (logprob
+    # descending, as many as it asked for).
+    logprob: float | None = None
+    top_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def finished(self) -> bool:

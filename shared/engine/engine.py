@@ -28,7 +28,7 @@ from kunserve.shared.engine.api import EngineRequest, EngineStats, FinishReason,
 from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable, blocks_needed
 from kunserve.shared.engine.kv_storage import KVStorage, TorchKVStorage
 from kunserve.shared.engine.model_runner import ModelRunner
-from kunserve.shared.engine.sampler import sample_rows
+from kunserve.shared.engine.sampler import ChosenLogprobs, sample_rows, token_logprobs
 from kunserve.shared.engine.stage_wire import StageBatch
 from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.weights import Weights
@@ -175,11 +175,15 @@ class Engine:
         return self._sample(logits, [c.seq for c in sampled])
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenEvent]:
-        """One token per row of logits; a row that cannot be sampled fails its request alone."""
-        tokens = sample_rows(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs])
-        return [self._append(seq, tok) if tok is not None else self.fail(seq.request_id, "its logits could not be "
-                f"sampled at token {len(seq.generated)} (non-finite logits from the model)")
-                for seq, tok in zip(seqs, tokens)]
+        """One token per row of logits (with its logprobs when the request asked); a row that cannot be sampled
+        fails its request alone. Every sampled token goes through here: a whole instance's and a group head's
+        (the group's last stage sends its logits back to the head)."""
+        params = [s.request.sampling for s in seqs]
+        tokens = sample_rows(logits, params, [s.generator for s in seqs])
+        logprobs = token_logprobs(logits, params, tokens)
+        return [self._append(seq, tok, lp) if tok is not None else self.fail(seq.request_id, "its logits could not "
+                f"be sampled at token {len(seq.generated)} (non-finite logits from the model)")
+                for seq, tok, lp in zip(seqs, tokens, logprobs)]
 
     def fail(self, request_id: str, why: str) -> TokenEvent:
         """End one request with an ERROR event (its KV blocks are freed): what the engine does instead of
@@ -454,7 +458,7 @@ class Engine:
         self.clear()
         self.install(seqs)
 
-    def _append(self, seq: Sequence, token: int) -> TokenEvent:
+    def _append(self, seq: Sequence, token: int, logprobs: ChosenLogprobs | None) -> TokenEvent:
         seq.tokens.append(token)
         seq.generated.append(token)
         self.generated_tokens_total += 1
@@ -469,7 +473,8 @@ class Engine:
         if reason is not FinishReason.NONE:
             self.seqs.pop(seq.request_id, None)
             self.scheduler.remove(seq)
-        return TokenEvent(seq.request_id, token, len(seq.generated) - 1, reason)
+        chosen, top = logprobs if logprobs is not None else (None, ())
+        return TokenEvent(seq.request_id, token, len(seq.generated) - 1, reason, logprob=chosen, top_logprobs=top)
 
     # -- KV capacity changes (memory pool drop / restore) ----------------------------------------------
     def sync_kv_capacity(self) -> int:

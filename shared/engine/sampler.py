@@ -9,13 +9,18 @@ normaliser is never 0). The arithmetic is float64, where every finite temperatur
 is non-zero. A row whose *logits* are not finite (a numerical fault in the model for that
 request) cannot be sampled; ``sample_rows`` reports it as ``None`` so the engine fails that request
 alone instead of the whole batch (or the engine thread).
+
+Log-probabilities (``token_logprobs``) are computed after the tokens are chosen, from the same logits and
+without touching the generators, so asking for them never changes a token.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kunserve.shared.engine.api import SamplingParams
+from kunserve.shared.engine.api import SamplingParams, TokenLogprob
+
+ChosenLogprobs = tuple[float, tuple[TokenLogprob, ...]]  # the chosen token's logprob, the top-N (descending)
 
 
 class SamplingFailed(ValueError):
@@ -69,3 +74,27 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         if tok is None:
             raise SamplingFailed(i)
     return out  # type: ignore[return-value]
+
+
+def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int | None]) -> list[ChosenLogprobs | None]:
+    """For each row whose request asked for logprobs (and that produced a token): log_softmax of its raw logits
+    (float32, before temperature / top-k / top-p: vLLM's default) at the chosen token, and its
+    `logprobs` most likely tokens. One batched log_softmax over those rows only: rows that did not ask cost
+    nothing, and a batch where none asked costs one pass over `params`."""
+    out: list[ChosenLogprobs | None] = [None] * len(params)
+    want = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] is not None]
+    if not want:
+        return out
+    lp = torch.log_softmax(logits[torch.tensor(want, dtype=torch.long, device=logits.device)].float(), dim=-1)
+    chosen_ids = torch.tensor([tokens[i] for i in want], dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
+    k = min(max(params[i].logprobs or 0 for i in want), lp.shape[-1])
+    top_v: list[list[float]] = [[] for _ in want]
+    top_i: list[list[int]] = [[] for _ in want]
+    if k > 0:
+        top = torch.topk(lp, k, dim=-1)  # sorted, descending
+        top_v, top_i = top.values.tolist(), top.indices.tolist()
+    for j, i in enumerate(want):
+        n = params[i].logprobs or 0
+        out[i] = (chosen[j], tuple(TokenLogprob(t, v) for t, v in zip(top_i[j][:n], top_v[j][:n])))
+    return out

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kunserve.shared.engine.api import FinishReason, SamplingParams
-from kunserve.v1 import common_pb2
+from kunserve.shared.engine.api import FinishReason, SamplingParams, TokenEvent
+from kunserve.v1 import common_pb2, generation_pb2, worker_pb2
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -33,6 +33,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None,
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
@@ -43,4 +44,15 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     )
     if p.seed is not None:
         msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
     return msg
+
+
+def logprobs_to_pb(ev: TokenEvent, msg: worker_pb2.WorkerTokenEvent | generation_pb2.GenerateEvent) -> None:
+    """Fill msg's logprob / top_logprobs from a token event that carries them (both messages name them alike);
+    an event without them leaves logprob unset, so a receiver can tell "not asked" from a logprob of 0."""
+    if ev.logprob is None:
+        return
+    msg.logprob = ev.logprob
+    msg.top_logprobs.extend(common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in ev.top_logprobs)
