@@ -173,6 +173,10 @@ class HttpFront:
             raise oa.ApiError(400, "the served model has no tokenizer, so it cannot chat; use /v1/completions "
                                    "with a list of token ids", param="messages")
         req = oa.parse_chat(body, self.served_model, self._render_chat, self._request_id(request))
+        sampling = req.generate.sampling
+        if not sampling.HasField("max_tokens") and self.servicer.generation.max_new_tokens is None:
+            # a chat without a bound may use the rest of the context (the model's EOS ends it before), as vLLM does
+            sampling.max_tokens = max(1, self.servicer.limits.context_len - len(req.generate.token_ids.ids))
         return await self._generate(request, req)
 
     def _owner(self, request: web.Request) -> str:

@@ -589,6 +589,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         sampling.CopyFrom(record.sampling)
         if emitted:
             sampling.max_tokens = remaining
+            sampling.min_tokens = max(0, sampling.min_tokens - emitted)
         record.index_offset = emitted
         return worker_pb2.WorkerGenerateRequest(request_id=record.request_id,
                                                 prompt_token_ids=record.prompt_token_ids + record.token_ids,
@@ -728,12 +729,16 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                         self.admission.started(record.request_id, now)  # its prompt no longer queues
                 if finish:
                     seg.finished = record.finished = True
-                yield generation_pb2.GenerateEvent(
+                out = generation_pb2.GenerateEvent(
                     request_id=record.request_id, token_id=ev.token_id, text=text,
                     index=ev.index + record.index_offset, finish_reason=finish,
                     elapsed_s=now - record.arrival, token_latency_s=now - record.last_event,
                     worker_id=seg.worker_id, num_prompt_tokens=len(record.prompt_token_ids),
+                    top_logprobs=ev.top_logprobs,
                 )
+                if ev.HasField("logprob"):
+                    out.logprob = ev.logprob
+                yield out
                 record.last_event = now
                 if seg.finished:
                     return

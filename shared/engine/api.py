@@ -35,6 +35,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # benchmarks replay exact output lengths
     logprobs: int | None = None  # None: none; N: the chosen token's logprob and the N most likely tokens'
+    min_tokens: int = 0  # EOS and stop token ids cannot be sampled before this many tokens
 
     def validate(self, vocab_size: int) -> None:
         if self.max_tokens <= 0:
@@ -48,6 +49,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not (0 <= t < vocab_size):
                 raise InvalidRequest("stop_token_ids", f"token id {t} outside vocabulary [0, {vocab_size})")
+        if not (0 <= self.min_tokens <= self.max_tokens):
+            raise InvalidRequest("min_tokens", f"must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequest("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}] (the number of most likely tokens "
                                  f"to return besides the chosen one), got {self.logprobs}")

@@ -179,11 +179,23 @@ class Engine:
         fails its request alone. Every sampled token goes through here: a whole instance's and a group head's
         (the group's last stage sends its logits back to the head)."""
         params = [s.request.sampling for s in seqs]
-        tokens = sample_rows(logits, params, [s.generator for s in seqs])
+        tokens = sample_rows(logits, params, [s.generator for s in seqs], self._cannot_end_yet(seqs))
         logprobs = token_logprobs(logits, params, tokens)
         return [self._append(seq, tok, lp) if tok is not None else self.fail(seq.request_id, "its logits could not "
                 f"be sampled at token {len(seq.generated)} (non-finite logits from the model)")
                 for seq, tok, lp in zip(seqs, tokens, logprobs)]
+
+    def _cannot_end_yet(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        """Rows short of their request's min_tokens: the ids that would end it (EOS unless ignore_eos, stop ids),
+        which the sampler must not pick for them. Logprobs stay those of the raw logits."""
+        out = {}
+        for i, s in enumerate(seqs):
+            p = s.request.sampling
+            if len(s.generated) < p.min_tokens:
+                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.cfg.eos_token_ids))
+                if ids:
+                    out[i] = sorted(ids)
+        return out
 
     def fail(self, request_id: str, why: str) -> TokenEvent:
         """End one request with an ERROR event (its KV blocks are freed): what the engine does instead of

@@ -50,10 +50,15 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> list[int | None]:
-    """logits [B, vocab] -> one token id per row, or None for a row whose logits are not finite."""
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                banned: dict[int, list[int]] | None = None) -> list[int | None]:
+    """logits [B, vocab] -> one token id per row, or None for a row whose logits are not finite. `banned`: row ->
+    token ids that row may not produce now (a request short of its min_tokens cannot end yet)."""
     finite = torch.isfinite(logits).all(dim=-1).tolist()
+    if banned:
+        logits = logits.clone()
+        for i, ids in banned.items():
+            logits[i, ids] = float("-inf")
     out: list[int | None] = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if not finite[i]:

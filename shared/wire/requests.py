@@ -34,13 +34,14 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        min_tokens=msg.min_tokens,
     )
 
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
     )
     if p.seed is not None:
         msg.seed = p.seed

@@ -184,6 +184,8 @@ BAD = [
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": "x", "stop": ["y"] * 17}, "stop"),
     ({"prompt": "x", "stop_token_ids": [10 ** 7]}, "stop_token_ids"),
+    ({"prompt": "x", "max_tokens": 5, "min_tokens": 6}, "min_tokens"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "echo": True}, "echo"),
@@ -248,3 +250,44 @@ def test_the_payloads_vllm_bench_serve_sends_are_served(front):
         chunks = [json.loads(m.removeprefix(b"data: ")) for m in raw.split(b"\n\n") if m and m != b"data: [DONE]"]
         tokens = [c for c in chunks if c["choices"]]
         assert len(tokens) == 6 and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_logprobs_are_the_reference_models_and_do_not_change_tokens(front):
+    """Completions' `logprobs: N` and chat's `logprobs` + `top_logprobs`: per token the chosen one's raw
+    log-softmax (equal to the dense reference's) and the N most likely, in the endpoint's shape."""
+    import torch
+    from helpers import _embedded_model
+
+    from kunserve.shared.model.reference import reference_logits
+
+    ids, text = grpc_text(front, PROMPT_IDS, 6)
+    out = sdk(front).completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=0, logprobs=3,
+                                        extra_body={"ignore_eos": True}).choices[0]
+    assert out.text == text
+    lp = out.logprobs
+    cfg, weights = _embedded_model()
+    ref = torch.log_softmax(reference_logits(cfg, weights, PROMPT_IDS + ids[:-1])[len(PROMPT_IDS) - 1:], dim=-1)
+    tok = ByteTokenizer()
+    assert lp.tokens == [tok.decode([t]) for t in ids]
+    for i, t in enumerate(ids):
+        assert lp.token_logprobs[i] == pytest.approx(ref[i, t].item(), abs=2e-3)
+        assert len(lp.top_logprobs[i]) <= 3 and max(lp.top_logprobs[i].values()) == pytest.approx(ref[i].max().item(),
+                                                                                                  abs=2e-3)
+    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(6)]
+    chat = sdk(front).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                              top_logprobs=2, extra_body={"ignore_eos": True}).choices[0]
+    assert len(chat.logprobs.content) == 4
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= c.top_logprobs[0].logprob + 1e-6 for c in chat.logprobs.content)
+    streamed = list(sdk(front).completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=0,
+                                                  logprobs=0, stream=True, extra_body={"ignore_eos": True}))
+    assert [c.choices[0].logprobs.token_logprobs[0] for c in streamed] == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+
+def test_min_tokens_holds_back_a_stop_token(front):
+    ids, _ = grpc_text(front, PROMPT_IDS, 6)
+    plain = sdk(front).completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True, "stop_token_ids": [ids[0]]})
+    assert plain.usage.completion_tokens == 1 and plain.choices[0].finish_reason == "stop"
+    held = sdk(front).completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True, "stop_token_ids": [ids[0]], "min_tokens": 3})
+    assert held.usage.completion_tokens >= 3
