@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from kunserve.shared.engine.api import EngineRequest, SamplingParams
+from kunserve.shared.engine.api import EngineRequest, SamplingParams, TokenEvent
 from kunserve.shared.engine.engine import Engine
 from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.reference import reference_scores
@@ -85,4 +85,15 @@ def finish(eng: Engine, out: dict[str, list[int]]) -> dict[str, list[int]]:
         for ev in eng.step():
             out[ev.request_id].append(ev.token_id)
     assert eng.allocator.num_used == 0 and not eng.seqs
+    return out
+
+
+def run_events(eng: Engine, reqs: list[EngineRequest]) -> dict[str, list[TokenEvent]]:
+    """Add the requests and step to the end: every event of each request, in order."""
+    for r in reqs:
+        eng.add_request(r)
+    out: dict[str, list[TokenEvent]] = {r.request_id: [] for r in reqs}
+    while eng.has_work():
+        for ev in eng.step():
+            out[ev.request_id].append(ev)
     return out

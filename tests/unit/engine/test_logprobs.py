@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from engine_testing import one_torch_thread, weights_for  # noqa: F401 - fixture
+from engine_testing import one_torch_thread, run_events, weights_for  # noqa: F401 - fixture
 
 from kunserve.shared.engine.api import MAX_LOGPROBS, EngineRequest, InvalidRequest, SamplingParams, TokenEvent
 from kunserve.shared.engine.engine import Engine, SchedulerConfig
@@ -33,16 +33,6 @@ def _requests(logprobs: dict[str, int | None]) -> list[EngineRequest]:
     }
     return [EngineRequest(rid, prompt, dataclasses.replace(p, logprobs=logprobs.get(rid)))
             for rid, (prompt, p) in spec.items()]
-
-
-def _events(eng: Engine, reqs: list[EngineRequest]) -> dict[str, list[TokenEvent]]:
-    for r in reqs:
-        eng.add_request(r)
-    out: dict[str, list[TokenEvent]] = {r.request_id: [] for r in reqs}
-    while eng.has_work():
-        for ev in eng.step():
-            out[ev.request_id].append(ev)
-    return out
 
 
 def _whole() -> Engine:
@@ -73,7 +63,7 @@ def _check_against_reference(req: EngineRequest, events: list[TokenEvent]) -> No
 
 
 def test_logprobs_match_the_reference_log_softmax():
-    events = _events(_whole(), _requests(ASKED))
+    events = run_events(_whole(), _requests(ASKED))
     for req in _requests(ASKED):
         if req.sampling.logprobs is not None:
             _check_against_reference(req, events[req.request_id])
@@ -84,8 +74,8 @@ def test_logprobs_match_the_reference_log_softmax():
 
 
 def test_tokens_are_identical_with_and_without_logprobs():
-    plain = _events(_whole(), _requests({}))
-    asked = _events(_whole(), _requests({"g0": MAX_LOGPROBS, "g1": 3, "s2": 0, "s3": 7}))
+    plain = run_events(_whole(), _requests({}))
+    asked = run_events(_whole(), _requests({"g0": MAX_LOGPROBS, "g1": 3, "s2": 0, "s3": 7}))
     assert {r: [e.token_id for e in evs] for r, evs in asked.items()} == \
         {r: [e.token_id for e in evs] for r, evs in plain.items()}
     assert {r: [e.finish_reason for e in evs] for r, evs in asked.items()} == \
@@ -95,11 +85,11 @@ def test_tokens_are_identical_with_and_without_logprobs():
 
 def test_a_pipeline_group_carries_the_same_logprobs():
     """The group's last stage sends float32 logits back (serialized as between workers); the head samples."""
-    whole = _events(_whole(), _requests(ASKED))
+    whole = run_events(_whole(), _requests(ASKED))
     head, link = local_group(CFG, weights_for(CFG), [(0, 1), (1, 2)], num_kv_blocks=64, block_size=8,
                              scheduler_config=SCHED, wire=True)
     with link:
-        group = _events(head, _requests(ASKED))
+        group = run_events(head, _requests(ASKED))
     assert {r: [e.token_id for e in evs] for r, evs in group.items()} == \
         {r: [e.token_id for e in evs] for r, evs in whole.items()}
     for rid, evs in group.items():

@@ -5,7 +5,7 @@ it as usual. Other rows of the batch, and the logprobs, are untouched; the bound
 from __future__ import annotations
 
 import pytest
-from engine_testing import one_torch_thread, weights_for  # noqa: F401 - fixture
+from engine_testing import one_torch_thread, run_events, weights_for  # noqa: F401 - fixture
 
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest, SamplingParams, TokenEvent
 from kunserve.shared.engine.engine import Engine, SchedulerConfig
@@ -15,16 +15,13 @@ CFG = TINY_CONFIG.replace(num_layers=2, name="two")
 PROMPT = [5, 6, 7]
 
 
+def _engine(cfg=CFG) -> Engine:
+    return Engine(cfg, weights_for(CFG), num_kv_blocks=64, block_size=8,
+                  scheduler_config=SchedulerConfig(max_num_batched_tokens=32))
+
+
 def _run(*reqs: EngineRequest) -> dict[str, list[TokenEvent]]:
-    eng = Engine(CFG, weights_for(CFG), num_kv_blocks=64, block_size=8,
-                 scheduler_config=SchedulerConfig(max_num_batched_tokens=32))
-    for r in reqs:
-        eng.add_request(r)
-    out: dict[str, list[TokenEvent]] = {r.request_id: [] for r in reqs}
-    while eng.has_work():
-        for ev in eng.step():
-            out[ev.request_id].append(ev)
-    return out
+    return run_events(_engine(), list(reqs))
 
 
 def test_stop_ids_and_eos_cannot_end_a_request_before_min_tokens():
@@ -50,14 +47,8 @@ def test_eos_is_held_back_unless_ignore_eos():
     free = [e.token_id for e in _run(EngineRequest("f", PROMPT, SamplingParams(max_tokens=1, ignore_eos=True)))["f"]]
     # a model whose greedy first token is its EOS: the request would end at once without min_tokens
     cfg_eos = CFG.replace(eos_token_id=free[0])
-    eng = Engine(cfg_eos, weights_for(CFG), num_kv_blocks=64, block_size=8,
-                 scheduler_config=SchedulerConfig(max_num_batched_tokens=32))
-    eng.add_request(EngineRequest("ends", PROMPT, SamplingParams(max_tokens=6)))
-    eng.add_request(EngineRequest("held", PROMPT, SamplingParams(max_tokens=6, min_tokens=3)))
-    out: dict[str, list[TokenEvent]] = {"ends": [], "held": []}
-    while eng.has_work():
-        for ev in eng.step():
-            out[ev.request_id].append(ev)
+    out = run_events(_engine(cfg_eos), [EngineRequest("ends", PROMPT, SamplingParams(max_tokens=6)),
+                                        EngineRequest("held", PROMPT, SamplingParams(max_tokens=6, min_tokens=3))])
     assert [e.finish_reason for e in out["ends"]] == [FinishReason.EOS]
     assert len(out["held"]) >= 3 and all(e.token_id != free[0] for e in out["held"][:3])
 
