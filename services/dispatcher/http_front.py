@@ -15,6 +15,7 @@ iterator, which cancels the worker's call: the worker frees the request's KV at 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -37,6 +38,7 @@ from kunserve.v1 import generation_pb2
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
 MAX_REQUEST_ID_HEADER = 256
+SHUTDOWN_GRACE_S = 5.0  # in-flight streams end with an error chunk at once on shutdown; this bounds the rest
 
 
 def sse(obj: Any) -> bytes:
@@ -80,7 +82,8 @@ class HttpFront:
         return app
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=SHUTDOWN_GRACE_S)
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port, ssl_context=ssl_context).start()
         self.log.info("http_front_started", address=f"{host}:{port}", tls=ssl_context is not None,
@@ -218,32 +221,32 @@ class HttpFront:
 
     async def _stream(self, request: web.Request, req: oa.OpenAIRequest, events: Any) -> web.StreamResponse:
         lp = oa.LogprobsBuilder(req.chat, self._token_text) if req.logprobs is not None else None
-        resp: web.StreamResponse | None = None
+        resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
         prompt_tokens = completion = 0
         try:
             async for ev in events:
                 prompt_tokens = ev.num_prompt_tokens
                 completion += ev.token_id >= 0
                 chunk = oa.stream_chunk(req, self.served_model, ev.text, oa.finish_reason(ev),
-                                        lp.of([ev]) if lp is not None else None, first=resp is None)
-                if resp is None:
-                    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+                                        lp.of([ev]) if lp is not None else None, first=not resp.prepared)
+                if not resp.prepared:
                     await resp.prepare(request)
                 await resp.write(sse(chunk))
+            if req.include_usage:
+                await resp.write(sse(oa.usage_chunk(req, self.served_model, prompt_tokens, completion)))
+            await resp.write(DONE)
+            await resp.write_eof()
         except RequestError as exc:
             err = oa.error_from_status(exc.code, exc.message, exc.retry_after_ms, chat=req.chat)
-            if resp is None:
+            if not resp.prepared:
                 raise err from None
             self.log.warning("http_stream_failed", request_id=req.generate.request_id, code=exc.code.name,
                              error=exc.message)
-            await resp.write(sse(err.body()))
-            await resp.write(DONE)
-            return resp
-        assert resp is not None, "the dispatcher ends every request with an event or an error"
-        if req.include_usage:
-            await resp.write(sse(oa.usage_chunk(req, self.served_model, prompt_tokens, completion)))
-        await resp.write(DONE)
-        await resp.write_eof()
+            with contextlib.suppress(ConnectionResetError):  # the client may be gone by now as well
+                await resp.write(sse(err.body()))
+                await resp.write(DONE)
+        except ConnectionResetError:  # the client went away mid-write: the caller closes `events`, freeing the KV
+            self.log.info("http_client_disconnected", request_id=req.generate.request_id, tokens=completion)
         return resp
 
 
