@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -127,9 +127,6 @@ async def _sampler(admin_address: str, t0: float, out: list[ClusterSample], stop
 
 async def _one(ch: grpc.aio.Channel, req: TraceRequest, index: int, t0: float, seed: int, timeout_s: float,
                request_prefix: str) -> RequestResult:
-    delay = t0 + req.arrival_s - time.monotonic()
-    if delay > 0:
-        await asyncio.sleep(delay)
     sent = time.monotonic()
     res = RequestResult(index=index, arrival_s=req.arrival_s, sent_s=sent - t0, prompt_tokens=req.prompt_tokens,
                         output_tokens=req.output_tokens)
@@ -151,26 +148,30 @@ async def _one(ch: grpc.aio.Channel, req: TraceRequest, index: int, t0: float, s
     return res
 
 
-async def replay(trace: Sequence[TraceRequest], address: str, *, admin_address: str | None = None, seed: int = 0,
-                 timeout_s: float = 600.0, stop: asyncio.Event | None = None,
-                 on_done: Callable[[RequestResult], None] | None = None,
-                 sample_interval_s: float = SAMPLE_INTERVAL_S, request_prefix: str = "bench-",
-                 creds: client.Credentials | None = None) -> ReplayOutcome:
-    """Send every request at its arrival time and wait for all streams; `stop` being set interrupts the replay
-    (in-flight streams are cancelled, which cancels them on the cluster) and returns what was measured."""
-    await wait_reachable(address, creds=creds)
+SendFn = Callable[[int, TraceRequest, float], Awaitable[RequestResult]]
+
+
+async def open_loop(trace: Sequence[TraceRequest], send: SendFn, *, stop: asyncio.Event | None = None,
+                    on_done: Callable[[RequestResult], None] | None = None,
+                    t0: float | None = None) -> ReplayOutcome:
+    """The open-loop schedule every replay shares, whatever carries the requests: one task per request sleeps
+    until ``t0 + arrival_s`` (``t0``: now when None, on the monotonic clock) and then awaits ``send(index,
+    request, t0)``, which must return the request's RequestResult even when cancelled mid-stream (marked
+    ``interrupted``). `stop` being set cancels every task and returns what was measured: requests still waiting
+    for their arrival are not in the results but counted in ``not_sent``."""
     stop = stop or asyncio.Event()
-    t0 = time.monotonic()
-    samples: list[ClusterSample] = []
-    sampling_done = asyncio.Event()
-    sampler = (asyncio.ensure_future(_sampler(admin_address, t0, samples, sampling_done, sample_interval_s,
-                                                 creds))
-               if admin_address else None)
-    channels = [client.dispatcher_channel(address, creds) for _ in range(CHANNELS)]
+    start = time.monotonic() if t0 is None else t0
+
+    async def at_arrival(index: int, req: TraceRequest) -> RequestResult:
+        delay = start + req.arrival_s - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return await send(index, req, start)
+
     tasks: list[asyncio.Task] = []
     try:
         for i, req in enumerate(trace):
-            task = asyncio.ensure_future(_one(channels[i % CHANNELS], req, i, t0, seed, timeout_s, request_prefix))
+            task = asyncio.ensure_future(at_arrival(i, req))
             if on_done is not None:
                 task.add_done_callback(lambda t: t.cancelled() or on_done(t.result()))
             tasks.append(task)
@@ -182,16 +183,41 @@ async def replay(trace: Sequence[TraceRequest], address: str, *, admin_address: 
         end = time.monotonic()
         not_sent = 0
         if interrupted:
-            not_sent = sum(1 for req in trace if t0 + req.arrival_s > end)
+            not_sent = sum(1 for req in trace if start + req.arrival_s > end)
             for t in tasks:
                 t.cancel()
         await asyncio.gather(all_done, return_exceptions=True)
         results = [t.result() for t in tasks if not t.cancelled()]  # a cancelled task was never sent
-        return ReplayOutcome(results=results, duration_s=end - t0, samples=samples, interrupted=interrupted,
-                             not_sent=not_sent)
+        return ReplayOutcome(results=results, duration_s=end - start, interrupted=interrupted, not_sent=not_sent)
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def replay(trace: Sequence[TraceRequest], address: str, *, admin_address: str | None = None, seed: int = 0,
+                 timeout_s: float = 600.0, stop: asyncio.Event | None = None,
+                 on_done: Callable[[RequestResult], None] | None = None,
+                 sample_interval_s: float = SAMPLE_INTERVAL_S, request_prefix: str = "bench-",
+                 creds: client.Credentials | None = None) -> ReplayOutcome:
+    """Send every request at its arrival time and wait for all streams; `stop` being set interrupts the replay
+    (in-flight streams are cancelled, which cancels them on the cluster) and returns what was measured."""
+    await wait_reachable(address, creds=creds)
+    t0 = time.monotonic()
+    samples: list[ClusterSample] = []
+    sampling_done = asyncio.Event()
+    sampler = (asyncio.ensure_future(_sampler(admin_address, t0, samples, sampling_done, sample_interval_s,
+                                                 creds))
+               if admin_address else None)
+    channels = [client.dispatcher_channel(address, creds) for _ in range(CHANNELS)]
+
+    async def send(index: int, req: TraceRequest, start: float) -> RequestResult:
+        return await _one(channels[index % CHANNELS], req, index, start, seed, timeout_s, request_prefix)
+
+    try:
+        outcome = await open_loop(trace, send, stop=stop, on_done=on_done, t0=t0)
+        outcome.samples = samples
+        return outcome
+    finally:
         sampling_done.set()
         if sampler is not None:
             await asyncio.gather(sampler, return_exceptions=True)
@@ -199,5 +225,5 @@ async def replay(trace: Sequence[TraceRequest], address: str, *, admin_address: 
             await ch.close()
 
 
-__all__ = ["ClusterSample", "ClusterUnreachable", "ReplayOutcome", "drop_periods", "prompt_ids", "replay",
+__all__ = ["ClusterSample", "ClusterUnreachable", "ReplayOutcome", "SendFn", "drop_periods", "open_loop", "prompt_ids", "replay",
            "sample_from_status", "wait_reachable", "PROMPT_TOKEN_RANGE"]

@@ -7,21 +7,28 @@ makes the trace bursty in the first place. This module gives the benchmark clien
 
 - :func:`load_burstgpt_csv` / :func:`save_trace_csv`: the BurstGPT CSV format, validated line by line so a
   broken trace fails with ``path:line: what`` instead of a skewed benchmark.
+- :func:`load_jsonl_trace` / :func:`save_jsonl_trace`: vLLM's ``timed_trace`` JSONL (what ``vllm bench serve
+  --dataset-name timed_trace`` replays) and the Mooncake trace JSONL, validated the same way, so one trace
+  file drives both this harness and vLLM's. :func:`load_trace` / :func:`save_trace` pick the format from the
+  content (:func:`detect_trace_format`) or the file name (:func:`format_from_path`).
 - :func:`gamma_arrivals`, :func:`synth_lengths`, :func:`generate_trace`: synthetic traces when the real one
   is not at hand: a Gamma renewal process (the CV controls burstiness; cv = 1 is Poisson) with an optional
   :class:`Burst` window, and lognormal lengths matching a dataset's mean prompt / output lengths.
 - :func:`upscale`, :func:`scale_lengths`: load knobs that keep the trace's shape over time.
 - :func:`describe`: the numbers a benchmark report prints about its trace.
 
-Everything is pure and deterministic for a seed; only the two CSV functions touch files.
+Everything is pure and deterministic for a seed; only the load / save / detect functions touch files.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
+import json
 import math
 import os
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +86,7 @@ class TraceRequest:
 
 
 class TraceError(ValueError):
-    """A trace that cannot be used; `line` is the 1-based CSV line number (header = line 1) or None.
+    """A trace that cannot be used; `line` is the 1-based line number in the file (a CSV header is line 1) or None.
 
     ``str()`` reads like a compiler error (``trace.csv:7: negative Request tokens: -3``) so the user can
     jump straight to the offending line.
@@ -238,6 +245,13 @@ def _format_float(x: float) -> str:
     return repr(float(x))
 
 
+def _check_forward(trace: Sequence[TraceRequest]) -> None:
+    for i in range(1, len(trace)):
+        if trace[i].arrival_s < trace[i - 1].arrival_s:
+            raise ValueError(f"trace arrivals go backwards at index {i}: "
+                             f"{trace[i].arrival_s} after {trace[i - 1].arrival_s}")
+
+
 def save_trace_csv(trace: Sequence[TraceRequest], path: str | os.PathLike[str]) -> None:
     """Write ``trace`` in BurstGPT format so it round-trips through :func:`load_burstgpt_csv`.
 
@@ -245,10 +259,7 @@ def save_trace_csv(trace: Sequence[TraceRequest], path: str | os.PathLike[str]) 
     arrivals go backwards is refused (ValueError) because the loader would refuse the file anyway;
     better to fail when it is written than when a benchmark starts.
     """
-    for i in range(1, len(trace)):
-        if trace[i].arrival_s < trace[i - 1].arrival_s:
-            raise ValueError(f"trace arrivals go backwards at index {i}: "
-                             f"{trace[i].arrival_s} after {trace[i - 1].arrival_s}")
+    _check_forward(trace)
     with open(os.fspath(path), "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f, lineterminator="\n")
         writer.writerow(COLUMNS)
@@ -257,6 +268,251 @@ def save_trace_csv(trace: Sequence[TraceRequest], path: str | os.PathLike[str]) 
                 _format_float(r.arrival_s), SYNTHETIC_MODEL, r.prompt_tokens, r.output_tokens,
                 r.prompt_tokens + r.output_tokens, SYNTHETIC_LOG_TYPE,
             ))
+
+
+# ------------------------------------------------------------------------- JSONL: timed_trace, Mooncake
+
+
+@dataclass(frozen=True)
+class JsonlFormat:
+    """One of the two JSONL trace formats. Both are one object per line, ``{"timestamp", "input_length",
+    "output_length", "hash_ids"}``: what differs is the time unit and how many prompt tokens one hash id covers.
+
+    - ``timed_trace``: vLLM's ``vllm bench serve --dataset-name timed_trace`` dataset. Its loader multiplies
+      ``timestamp`` by ``--timed-trace-sec-multiplier`` (default 1, so seconds) and, with ``--self-timed``,
+      sends each request that many seconds after the benchmark starts (without ``--self-timed`` the timestamps
+      are ignored). Each hash id expands to ``--timed-trace-chunk-hash-size`` (default 16) random prompt tokens,
+      so the prompt is ``min(input_length, 16 × len(hash_ids))`` tokens long: a file must carry enough ids.
+    - ``mooncake``: the Mooncake (FAST'25) traces: integer milliseconds since the first request, one hash id
+      per 512-token block (equal ids are shared prefixes). vLLM replays them as timed_trace with
+      ``--timed-trace-sec-multiplier 0.001 --timed-trace-chunk-hash-size 512``.
+    """
+
+    name: str
+    units_per_second: float  # timestamps count these (a division, so 5999 ms is exactly 5.999 s)
+    block_tokens: int
+    integer_time: bool
+
+
+TIMED_TRACE = JsonlFormat("timed_trace", 1.0, 16, integer_time=False)
+MOONCAKE = JsonlFormat("mooncake", 1000.0, 512, integer_time=True)
+JSONL_FORMATS: dict[str, JsonlFormat] = {f.name: f for f in (TIMED_TRACE, MOONCAKE)}
+CSV_FORMAT = "csv"
+TRACE_FORMATS: tuple[str, ...] = (CSV_FORMAT, TIMED_TRACE.name, MOONCAKE.name)
+JSONL_TIMESTAMP = "timestamp"
+JSONL_INPUT = "input_length"
+JSONL_OUTPUT = "output_length"
+JSONL_HASH_IDS = "hash_ids"
+
+# detect_trace_format() reads at most this many JSONL rows to tell the hash-id block size.
+DETECT_ROWS = 200
+
+
+def _json_number(entry: dict[str, Any], key: str, line: int, path: str) -> float:
+    if key not in entry:
+        raise TraceError(f"missing field {key!r}", line, path)
+    value = entry[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TraceError(f"non-numeric {key}: {value!r}", line, path)
+    if not math.isfinite(value):
+        raise TraceError(f"non-finite {key}: {value!r}", line, path)
+    if value < 0:
+        raise TraceError(f"negative {key}: {value!r}", line, path)
+    return float(value)
+
+
+def _json_tokens(entry: dict[str, Any], key: str, line: int, path: str) -> int:
+    value = _json_number(entry, key, line, path)
+    if not value.is_integer():
+        raise TraceError(f"non-integer {key}: {entry[key]!r}", line, path)
+    return int(value)
+
+
+def _json_rows(f: Any, where: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line; a line that is not a JSON object is a TraceError."""
+    for line, text in enumerate(f, start=1):
+        if not text.strip():
+            continue
+        try:
+            entry = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"invalid JSON: {e.msg} (column {e.colno})", line, where) from None
+        if not isinstance(entry, dict):
+            raise TraceError(f"expected a JSON object, got {type(entry).__name__}", line, where)
+        yield line, entry
+
+
+def _open_text(where: str, what: str) -> Any:
+    """Open a trace for reading, with the loader's one-line errors for the usual OS failures."""
+    try:
+        return open(where, encoding="utf-8-sig", newline="")
+    except FileNotFoundError:
+        raise TraceError("file not found", None, where) from None
+    except IsADirectoryError:
+        raise TraceError(f"is a directory, not a {what} file", None, where) from None
+    except PermissionError:
+        raise TraceError("permission denied", None, where) from None
+
+
+def load_jsonl_trace(
+    path: str | os.PathLike[str], fmt: str | JsonlFormat = TIMED_TRACE, *, limit: int | None = None
+) -> tuple[list[TraceRequest], int]:
+    """Load a ``timed_trace`` or ``mooncake`` JSONL trace (see :class:`JsonlFormat`); return ``(requests, skipped)``.
+
+    Arrivals are ``timestamp`` in seconds (``/ units_per_second``) *without* shifting the first to 0, because that is when
+    ``vllm bench serve --self-timed`` sends them (the offset from the start of the run). ``hash_ids`` is
+    optional but must be a list of integers when present; the replay sends ``input_length`` tokens whatever it
+    holds. Like the CSV loader, every row is checked (JSON object, required fields, non-negative integral
+    lengths, finite non-negative timestamps that never go backwards) and the first problem raises
+    :class:`TraceError` with its line; rows with 0 input or 0 output tokens are skipped and counted; blank lines
+    are ignored; ``limit`` stops reading once that many requests are kept.
+    """
+    spec = JSONL_FORMATS[fmt] if isinstance(fmt, str) else fmt
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    where = os.fspath(path)
+    trace: list[TraceRequest] = []
+    skipped = 0
+    previous: float | None = None
+    with _open_text(where, "JSONL") as f:
+        try:
+            for line, entry in _json_rows(f, where):
+                stamp = _json_number(entry, JSONL_TIMESTAMP, line, where)
+                prompt = _json_tokens(entry, JSONL_INPUT, line, where)
+                output = _json_tokens(entry, JSONL_OUTPUT, line, where)
+                ids = entry.get(JSONL_HASH_IDS, [])
+                if not isinstance(ids, list) or any(isinstance(h, bool) or not isinstance(h, int) for h in ids):
+                    raise TraceError(f"{JSONL_HASH_IDS} must be a list of integers", line, where)
+                if previous is not None and stamp < previous:
+                    raise TraceError(f"{JSONL_TIMESTAMP} goes backwards: {stamp:g} after {previous:g}", line, where)
+                previous = stamp
+                if prompt == 0 or output == 0:
+                    skipped += 1
+                    continue
+                trace.append(TraceRequest(stamp / spec.units_per_second, prompt, output))
+                if limit is not None and len(trace) >= limit:
+                    break
+        except UnicodeDecodeError as e:
+            raise TraceError(f"not a text file: {e.reason}", None, where) from None
+    if not trace:
+        raise TraceError("no requests in trace", None, where)
+    return trace, skipped
+
+
+def save_jsonl_trace(trace: Sequence[TraceRequest], path: str | os.PathLike[str],
+                     fmt: str | JsonlFormat = TIMED_TRACE) -> None:
+    """Write ``trace`` as ``timed_trace`` or ``mooncake`` JSONL so it round-trips through :func:`load_jsonl_trace`
+    (timed_trace exactly; Mooncake to the millisecond, its integer unit).
+
+    Every request gets ``ceil(input_length / block_tokens)`` fresh hash ids, consecutive and never reused: the
+    replay's prompts are independent random tokens, so no two requests share a prefix, and vLLM's timed_trace
+    loader (at its default chunk size for timed_trace, 512 for Mooncake) rebuilds prompts of exactly
+    ``input_length`` tokens. Backwards arrivals are refused (ValueError), as by :func:`save_trace_csv`.
+    """
+    spec = JSONL_FORMATS[fmt] if isinstance(fmt, str) else fmt
+    _check_forward(trace)
+    next_id = 0
+    with open(os.fspath(path), "w", encoding="utf-8") as f:
+        for r in trace:
+            blocks = -(-r.prompt_tokens // spec.block_tokens)
+            stamp = r.arrival_s * spec.units_per_second
+            entry = {JSONL_TIMESTAMP: round(stamp) if spec.integer_time else float(stamp), JSONL_INPUT: r.prompt_tokens,
+                     JSONL_OUTPUT: r.output_tokens, JSONL_HASH_IDS: list(range(next_id, next_id + blocks))}
+            next_id += blocks
+            f.write(json.dumps(entry) + "\n")
+
+
+def _vote_block_size(entry: dict[str, Any]) -> str | None:
+    """Which format's block size this row's hash_ids fit (None when neither or both: too short to tell)."""
+    ids, prompt = entry.get(JSONL_HASH_IDS), entry.get(JSONL_INPUT)
+    if not isinstance(ids, list) or isinstance(prompt, bool) or not isinstance(prompt, int) or prompt < 1:
+        return None
+    fits = [f.name for f in JSONL_FORMATS.values() if len(ids) == -(-prompt // f.block_tokens)]
+    return fits[0] if len(fits) == 1 else None
+
+
+def detect_trace_format(path: str | os.PathLike[str]) -> str:
+    """``csv``, ``timed_trace`` or ``mooncake``, from the file's content.
+
+    A file whose first non-blank line is a JSON object is JSONL, otherwise a BurstGPT CSV. The two JSONL
+    formats have the same fields, so the hash ids decide: over the first ``DETECT_ROWS`` rows, the majority of
+    those whose ``hash_ids`` cover ``input_length`` in 512-token blocks (Mooncake) or 16-token blocks (vLLM's
+    default) wins; with no such row (no hash ids, or prompts of 16 tokens or fewer) a file named ``*mooncake*``
+    is Mooncake and any other timed_trace. Unreadable rows are left for the loader to report with their line.
+    """
+    where = os.fspath(path)
+    votes: Counter[str] = Counter()
+    with _open_text(where, "trace") as f:
+        try:
+            first = next((line for line in f if line.strip()), "")
+            if not first.lstrip().startswith("{"):
+                return CSV_FORMAT
+            for text in itertools.chain([first], itertools.islice(f, DETECT_ROWS - 1)):
+                try:
+                    entry = json.loads(text)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(entry, dict) and (vote := _vote_block_size(entry)) is not None:
+                    votes[vote] += 1
+        except UnicodeDecodeError as e:
+            raise TraceError(f"not a text file: {e.reason}", None, where) from None
+    if votes and votes[MOONCAKE.name] != votes[TIMED_TRACE.name]:
+        return votes.most_common(1)[0][0]
+    return MOONCAKE.name if MOONCAKE.name in os.path.basename(where).lower() else TIMED_TRACE.name
+
+
+def format_from_path(path: str | os.PathLike[str]) -> str | None:
+    """The format a file name asks for when writing: ``.csv`` is BurstGPT CSV, ``.jsonl`` / ``.json`` is
+    Mooncake when the name contains ``mooncake`` and timed_trace otherwise; None for any other extension."""
+    name = os.path.basename(os.fspath(path)).lower()
+    if name.endswith(".csv"):
+        return CSV_FORMAT
+    if name.endswith((".jsonl", ".json")):
+        return MOONCAKE.name if MOONCAKE.name in name else TIMED_TRACE.name
+    return None
+
+
+def _check_format(fmt: str, where: str) -> None:
+    if fmt not in TRACE_FORMATS:
+        raise TraceError(f"unknown trace format {fmt!r} (known: {', '.join(TRACE_FORMATS)})", None, where)
+
+
+def load_trace(
+    path: str | os.PathLike[str],
+    fmt: str | None = None,
+    *,
+    model: str | None = None,
+    log_type: str | None = None,
+    limit: int | None = None,
+) -> tuple[list[TraceRequest], int, str]:
+    """Load a trace in any of ``TRACE_FORMATS`` (``fmt``, or :func:`detect_trace_format` when None); return
+    ``(requests, skipped, format)``. ``model`` / ``log_type`` filter BurstGPT CSV rows; the JSONL formats have
+    no such columns, so asking for them there is a TraceError rather than a filter that silently keeps all."""
+    where = os.fspath(path)
+    fmt = fmt or detect_trace_format(where)
+    _check_format(fmt, where)
+    if fmt == CSV_FORMAT:
+        trace, skipped = load_burstgpt_csv(where, model=model, log_type=log_type, limit=limit)
+        return trace, skipped, fmt
+    if model is not None or log_type is not None:
+        raise TraceError(f"a {fmt} trace has no Model / Log Type columns to filter on", None, where)
+    trace, skipped = load_jsonl_trace(where, fmt, limit=limit)
+    return trace, skipped, fmt
+
+
+def save_trace(trace: Sequence[TraceRequest], path: str | os.PathLike[str], fmt: str | None = None) -> str:
+    """Write ``trace`` in ``fmt`` (or the format :func:`format_from_path` reads in the name); return the format."""
+    where = os.fspath(path)
+    fmt = fmt or format_from_path(where)
+    if fmt is None:
+        raise TraceError("cannot tell the trace format from the file name (.csv, .jsonl or *mooncake*.jsonl): "
+                         f"give one of {', '.join(TRACE_FORMATS)}", None, where)
+    _check_format(fmt, where)
+    if fmt == CSV_FORMAT:
+        save_trace_csv(trace, where)
+    else:
+        save_jsonl_trace(trace, where, fmt)
+    return fmt
 
 
 # ------------------------------------------------------------------------------------- generators

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import subprocess
 import sys
 
@@ -171,3 +172,94 @@ def test_plots_are_written(tmp_path):
 def test_summary_counts_failures():
     s = summarize([_result(0, 0, 0.1, 0.01), _result(1, 0, 0, 0, ok=False)], 2.0)
     assert s["completed"] == 1 and s["failed"] == 1
+
+
+# -- trace formats, --endpoint, --external, convert-trace ------------------------------------------------------
+def test_trace_formats_load_and_save(tmp_path):
+    trace = [TraceRequest(0.0, 600, 20), TraceRequest(1.25, 40, 8)]
+    save_trace_csv(trace, tmp_path / "t.csv")
+    base = ("run", "--length-scale", "1")
+    loaded, source = bench.build_trace(parse(*base, "--trace", str(tmp_path / "t.csv"), "--save-trace",
+                                             str(tmp_path / "t.jsonl")))
+    assert loaded == trace and source["kind"] == "burstgpt_csv"
+    again, source = bench.build_trace(parse(*base, "--trace", str(tmp_path / "t.jsonl"), "--save-trace",
+                                            str(tmp_path / "out.txt"), "--save-trace-format", "mooncake"))
+    assert again == trace and source["kind"] == "timed_trace"
+    moon, source = bench.build_trace(parse(*base, "--trace", str(tmp_path / "out.txt")))
+    assert moon == trace and source["kind"] == "mooncake"  # detected from its 512-token hash blocks
+    forced, source = bench.build_trace(parse(*base, "--trace", str(tmp_path / "t.jsonl"), "--trace-format", "mooncake"))
+    assert source["kind"] == "mooncake" and forced[1].arrival_s == 0.00125  # read in milliseconds, as told
+    with pytest.raises(bench.BenchError, match="--limit must be >= 1"):
+        bench.build_trace(parse(*base, "--trace", str(tmp_path / "t.jsonl"), "--limit", "0"))
+
+
+def test_external_arguments():
+    assert bench.parse_external("vllm=http://127.0.0.1:8000/v1") == ("vllm", "http://127.0.0.1:8000/v1")
+    assert bench.parse_external(" v-2.x = http://h:1 ") == ("v-2.x", "http://h:1")
+    for bad in ("vllm", "=http://h", "vllm=", "a b=http://h", "../x=http://h"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_external(bad)
+    args = parse("compare", "--external", "a=http://h:1/v1", "--external", "b=http://h:2/v1")
+    assert args.external == [("a", "http://h:1/v1"), ("b", "http://h:2/v1")] and parse("compare").external == []
+    bench.check_externals(args.external)
+    with pytest.raises(bench.BenchError, match="'swap' is an overload policy's name"):
+        bench.check_externals([("swap", "http://h")])
+    with pytest.raises(bench.BenchError, match="names 'a' twice"):
+        bench.check_externals([("a", "http://h"), ("a", "http://i")])
+
+
+def test_run_endpoint_arguments():
+    args = parse("run", "--endpoint", "http://127.0.0.1:8000/v1", "--model", "m", "--api-key", "k")
+    assert (args.endpoint, args.model, args.api_key, args.policy) == ("http://127.0.0.1:8000/v1", "m", "k", None)
+
+
+def test_compare_record_has_a_ratio_for_external_rows():
+    docs = {"kunserve": _doc("kunserve", [0.1] * 99 + [0.2], 0.012), "vllm": _doc("vllm", [0.05] * 90 + [2.0] * 10, 0.01)}
+    rec = bench.compare_record(docs, list(docs), ["vllm"])
+    assert rec["ratios"]["ttft_p99_vllm_over_kunserve"] == pytest.approx(2.0 / 0.101, rel=1e-3)
+    assert rec["reference_p50"]["ttft_s"] == pytest.approx(0.05)  # the external row's p50 is the best
+    assert not any("vllm" in t for t in rec["targets"])
+    assert "ttft_p99_vllm_over_kunserve" not in bench.compare_record(docs, list(docs))["ratios"]
+
+
+def test_convert_trace(tmp_path):
+    src = tmp_path / "burstgpt.csv"
+    src.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                   "10,ChatGPT,100,5,105,Conversation log\n10.5,GPT-4,20,0,20,Conversation log\n"
+                   "12.25,ChatGPT,30,7,37,API log\n13,ChatGPT,40,9,49,Conversation log\n")
+    out = kunserve("bench", "convert-trace", str(src), str(tmp_path / "slice.jsonl"), "--limit", "2")
+    assert out.returncode == 0, out.stderr
+    assert "wrote 2 requests" in out.stdout and "(timed_trace)" in out.stdout and "--num-prompts 2 --self-timed" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "slice.jsonl").read_text().splitlines()]
+    assert [(r["timestamp"], r["input_length"], r["output_length"]) for r in rows] == [(0.0, 100, 5), (2.25, 30, 7)]
+    out = kunserve("bench", "convert-trace", str(tmp_path / "slice.jsonl"), str(tmp_path / "m.out"), "--to", "mooncake")
+    assert out.returncode == 0 and "--timed-trace-sec-multiplier 0.001 --timed-trace-chunk-hash-size 512" in out.stdout
+    assert [json.loads(line)["timestamp"] for line in (tmp_path / "m.out").read_text().splitlines()] == [0, 2250]
+
+
+def test_new_bad_input_is_one_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\n{"timestamp": 1, "input_length": 5}\n')
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free = sock.getsockname()[1]
+    gen = ("--duration", "2", "--rate", "5")
+    cases = [
+        (["bench", "run", "--trace", str(bad)], "bad.jsonl:2: missing field 'output_length'"),
+        (["bench", "convert-trace", str(bad), str(tmp_path / "x.csv")], "bad.jsonl:2: missing field 'output_length'"),
+        (["bench", "convert-trace", str(tmp_path / "missing.csv"), str(tmp_path / "x.csv")], "missing.csv: file not found"),
+        (["bench", "run", *gen, "--save-trace", str(tmp_path / "t.txt")], "cannot tell the trace format"),
+        (["bench", "run", *gen, "--endpoint", f"http://127.0.0.1:{free}/v1"], "cannot reach the OpenAI endpoint"),
+        (["bench", "run", *gen, "--endpoint", "127.0.0.1:8000"], "not an http(s) URL"),
+        (["bench", "run", *gen, "--endpoint", "http://127.0.0.1:8000/v1", "--address", "127.0.0.1:1"],
+         "--endpoint replays over HTTP"),
+        (["bench", "compare", "--external", "queue=http://127.0.0.1:1/v1"], "'queue' is an overload policy's name"),
+        (["bench", "compare", *gen, "--policies", "kunserve", "--external", f"v=http://127.0.0.1:{free}/v1"],
+         "cannot reach the OpenAI endpoint"),
+    ]
+    for argv, expected in cases:
+        out = kunserve(*argv, "--out", str(tmp_path / "o")) if argv[1] != "convert-trace" else kunserve(*argv)
+        assert out.returncode == 1, (argv, out.stdout, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kunserve: ") and expected in lines[0], (argv, out.stderr)
+    assert not (tmp_path / "o").exists()  # nothing ran: the compare failed before its first cluster
