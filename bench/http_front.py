@@ -3,9 +3,11 @@
 One local cluster (one worker, embedded model). Two measurements:
 
 1. latency  — ``--requests`` requests (token-id prompts of ``--prompt`` tokens, ``--tokens`` greedy tokens each,
-              ignore_eos), ``--concurrency`` at a time, alternating gRPC and HTTP request by request so both see
-              the same engine load. TTFT and TPOT (client clock: from sending to the first token; mean gap
-              between later tokens) p50 / p99 per path, and the difference HTTP - gRPC: the front's overhead.
+              ignore_eos), one at a time (the front's own cost, without batching noise) and then
+              ``--concurrency`` at a time, in alternating blocks of each path with the same prompts (so both see
+              the same engine states, and one path's requests never share a batch with the other's, which once
+              skewed an interleaved run). TTFT and TPOT (client clock: from sending to the first token; mean
+              gap between later tokens) p50 / p99 per path, and the difference HTTP - gRPC: the front's overhead.
 2. capacity — tiny generations (``--tiny-prompt`` tokens in, 1 token out) with ``--tiny-concurrency`` in flight
               for ``--seconds``, through each path: sustained requests/s.
 
@@ -69,30 +71,42 @@ async def http_one(session, url: str, prompt: list[int], tokens: int) -> tuple[f
     return times[0], times
 
 
+BLOCKS = 4  # latency runs alternate the paths in this many blocks each
+
+
 def tpot(times: list[float]) -> float:
     return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
 
 
-async def latency(c: LocalCluster, args) -> dict[str, Any]:
+async def latency(c: LocalCluster, args, concurrency: int) -> dict[str, Any]:
     import aiohttp
 
     url = f"http://{c.cfg.dispatcher.http_address}/v1/completions"
     out: dict[str, dict[str, list[float]]] = {p: {"ttft": [], "tpot": []} for p in ("grpc", "http")}
-    sem = asyncio.Semaphore(args.concurrency)
     async with client.insecure_channel(c.cfg.dispatcher.address) as ch, aiohttp.ClientSession() as session:
         await grpc_one(ch, prompt_of(0, args.prompt), 2)  # warm both paths
         await http_one(session, url, prompt_of(0, args.prompt), 2)
 
-        async def one(i: int) -> None:
-            path = "grpc" if i % 2 == 0 else "http"
-            prompt = prompt_of(i // 2, args.prompt)  # request 2k (gRPC) and 2k+1 (HTTP) are the same
-            async with sem:
-                ttft, times = await (grpc_one(ch, prompt, args.tokens) if path == "grpc"
-                                     else http_one(session, url, prompt, args.tokens))
-            out[path]["ttft"].append(ttft)
-            out[path]["tpot"].append(tpot(times))
+        async def block(path: str, first: int, n: int) -> None:
+            sem = asyncio.Semaphore(concurrency)
 
-        await asyncio.gather(*(one(i) for i in range(2 * args.requests)))
+            async def one(i: int) -> None:
+                async with sem:
+                    prompt = prompt_of(i, args.prompt)
+                    ttft, times = await (grpc_one(ch, prompt, args.tokens) if path == "grpc"
+                                         else http_one(session, url, prompt, args.tokens))
+                out[path]["ttft"].append(ttft)
+                out[path]["tpot"].append(tpot(times))
+
+            await asyncio.gather(*(one(i) for i in range(first, first + n)))
+
+        # Blocks of each path in turn (gRPC, HTTP, HTTP, gRPC, ...), the same prompts both ways: each path sees the
+        # same mix of engine states, and requests of one path never share a batch with the other's.
+        size = max(1, args.requests // BLOCKS)
+        for b in range(0, args.requests, size):
+            n = min(size, args.requests - b)
+            for path in (("grpc", "http") if (b // size) % 2 == 0 else ("http", "grpc")):
+                await block(path, b, n)
     res: dict[str, Any] = {}
     for path, m in out.items():
         res[path] = {f"{k}_{q}_ms": pct(v, q) * 1000 for k, v in m.items() for q in (50, 99)}
@@ -147,20 +161,27 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.requests, args.tokens, args.seconds = 10, 16, 4.0
+    if args.concurrency < 1 or args.requests < 1:
+        ap.error("--concurrency and --requests must be >= 1")
 
     c = harness.bench_cluster("http-front", 1, 96)
 
+    levels = sorted({1, args.concurrency})
+
     async def measure(c: LocalCluster) -> dict[str, Any]:
-        return {"latency": await latency(c, args), "capacity": await capacity(c, args)}
+        return {"latency": {f"concurrency_{n}": await latency(c, args, n) for n in levels},
+                "capacity": await capacity(c, args)}
 
     result = harness.run_on(c, measure)
-    lat, cap = result["latency"], result["capacity"]
-    print(f"\nHTTP front vs gRPC API — {args.requests} requests per path, {args.prompt} prompt + {args.tokens} output "
-          f"tokens, concurrency {args.concurrency}")
-    print(f"{'':10}{'TTFT p50':>11}{'TTFT p99':>11}{'TPOT p50':>11}{'TPOT p99':>11}   (ms)")
-    for path in ("grpc", "http", "overhead"):
-        r = lat[path]
-        print(f"{path:10}" + "".join(f"{r[k]:11.3f}" for k in ("ttft_50_ms", "ttft_99_ms", "tpot_50_ms", "tpot_99_ms")))
+    cap = result["capacity"]
+    for n in levels:
+        lat = result["latency"][f"concurrency_{n}"]
+        print(f"\nHTTP front vs gRPC API — {args.requests} requests per path, {args.prompt} prompt + {args.tokens} "
+              f"output tokens, {n} in flight")
+        print(f"{'':10}{'TTFT p50':>11}{'TTFT p99':>11}{'TPOT p50':>11}{'TPOT p99':>11}   (ms)")
+        for path in ("grpc", "http", "overhead"):
+            r = lat[path]
+            print(f"{path:10}" + "".join(f"{r[k]:11.3f}" for k in ("ttft_50_ms", "ttft_99_ms", "tpot_50_ms", "tpot_99_ms")))
     print(f"\nsustained requests/s, {args.tiny_prompt} tokens in / 1 out, {args.tiny_concurrency} in flight, "
           f"{args.seconds:g} s each")
     for path in ("grpc", "http"):
