@@ -460,22 +460,25 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
     dr = sub.add_parser(
-        "drop", help="force a cluster drop: merge instances into pipeline groups (planner or explicit --group)",
+        "drop", help="force a cluster drop: merge instances or groups into pipeline groups (planner or explicit --group)",
         description="Drive a drop through the workers: plan for --require (or take the explicit --group lists), "
                     "move the affected requests' KV, remap the freed weight pages into KV cache. Prints the "
                     "transition report (layout epoch, groups after, requests and KV bytes moved, timings); exits "
                     "1 when the drop did not complete (it is rolled back).",
-        epilog="examples: kunctl drop --require 1.5GiB; kunctl drop --group worker-0,worker-1 --group worker-2,worker-3")
+        epilog="examples: kunctl drop (the planner's next merge: two instances, or two pairs into a quad); kunctl drop "
+               "--require 1.5GiB; kunctl drop --group worker-0,worker-1 --group worker-2,worker-3")
     dr.add_argument("--require", type=parse_requirement, metavar="N", help=require_help)
     dr.add_argument("--group", type=parse_group, action="append", metavar="W0,W1",
-                    help="one pipeline group, worker ids head first (repeatable); replaces the planner")
+                    help="one pipeline group, worker ids head first (repeatable); replaces the planner. Naming every "
+                         "member of existing groups merges them (pairs -> a quad), laid out as the planner would")
     dr.add_argument("--json", action="store_true", help="print the transition report as JSON")
     dr.set_defaults(func=cmd_drop)
     rs = sub.add_parser(
-        "restore", help="split dropped pipeline groups back into whole instances (all, or --group G)",
-        description="Restore the dropped layers of every pipeline group (or one) so each member is a whole "
-                    "instance again. Prints the transition report; exits 1 when it did not complete.",
-        epilog="examples: kunctl restore; kunctl restore --group worker-0")
+        "restore", help="split dropped pipeline groups back: all into whole instances, or --group G one step",
+        description="Restore the dropped layers of every pipeline group so each member is a whole instance "
+                    "again, or with --group undo that group's last merge (a quad splits into pairs, a pair into "
+                    "whole instances). Prints the transition report; exits 1 when it did not complete.",
+        epilog="examples: kunctl restore; kunctl restore --group worker-0+worker-1")
     rs.add_argument("--group", metavar="G", help="the group id to restore (see kunctl status); default: every group")
     rs.add_argument("--json", action="store_true", help="print the transition report as JSON")
     rs.set_defaults(func=cmd_restore)

@@ -1,10 +1,12 @@
 """Drives drop and restore plans through the workers (KunServe §4.1, §4.4): the memory manager's I/O half.
 
-    drop:    refresh the layout from the workers -> plan (Fig. 6 greedy, or an explicit grouping)
+    drop:    refresh the layout from the workers -> plan (Fig. 6 greedy, or an explicit grouping; merges of
+             whole instances and of existing groups alike: pairs -> a quad)
              -> Prepare every member (pause, report requests + capacity in the new range)
              -> assign every request its new block table (shared/policy/transition_plan.py; refuse when it does not fit)
              -> Execute on every member (KV exchange over UCX, remap, install) -> refresh -> new epoch
-    restore: the same with a group split back into whole instances (requests spread over them).
+    restore: the same with a group split back (requests spread over the parts): one group undoes its last
+             merge (a quad into pairs, a pair into whole instances); every group at once goes back to whole.
     migrate: the same between two whole instances that stay whole, moving the requests the Llumnix-like
              choice picks (shared/policy/migration.py).
 
@@ -116,10 +118,6 @@ class ClusterView:
         return m
 
 
-def group_id_for(worker_ids: Iterable[str]) -> str:
-    return "+".join(worker_ids)
-
-
 ME = "memory-manager"  # who this process is to fault_point
 
 
@@ -198,15 +196,12 @@ class Orchestrator:
         old_units: list[Unit] = []
         new_units: list[Unit] = []
         by_id = units_by_id(view.units)
-        for g in plan.changed_units:
+        for g in plan.changed_units:  # merges of whole instances and of existing groups alike (§5.6)
             olds = [by_id[x] for x in g.merged_from]
-            if any(u.is_group for u in olds):
-                # Regrouping an existing group needs KV of three or more members to move at once: restore first.
-                continue
             members = tuple(Member(a.worker_id, a.layer_start, a.layer_end, view.member(a.worker_id).transfer_address)
                             for a in g.members)
             old_units.extend(olds)
-            new_units.append(Unit(group_id_for(m.worker_id for m in members), members))
+            new_units.append(Unit(planner.unit_id_for(m.worker_id for m in members), members))
         reply = memory_manager_pb2.DropPlanReply(
             met=plan.met, autoscale_needed=plan.autoscale_needed, fallback=plan.fallback or "",
             required_bytes=plan.required_bytes, freed_bytes=plan.freed_bytes,
@@ -216,7 +211,10 @@ class Orchestrator:
 
     def _explicit(self, req: memory_manager_pb2.DropRequest, view: ClusterView) -> tuple[
             memory_manager_pb2.DropPlanReply, ClusterView, list[Unit], list[Unit]]:
-        """The groups the request names, each split evenly in the order given."""
+        """The groups the request names. A group of whole instances is split evenly in the order given (head
+        first). A group that names every member of existing groups merges them (a second drop): its members
+        are laid out as the planner lays out a merge (``planner.merged_members``), each keeping part of the
+        range it holds, so nothing is fetched; the order given does not matter then."""
         configured = self.cluster.worker_ids
         known = ", ".join(sorted(configured))
         old_units: list[Unit] = []
@@ -235,18 +233,26 @@ class Orchestrator:
                     raise OrchestrationError("UNAVAILABLE", f"worker {w} is not reachable")
                 if w in used or ids.count(w) > 1:
                     raise OrchestrationError("INVALID_ARGUMENT", f"worker {w} is in two groups")
-                if unit.is_group:
-                    raise OrchestrationError("FAILED_PRECONDITION", f"worker {w} is already in group "
-                                             f"{unit.unit_id}: restore it first")
+                left_out = [m for m in unit.worker_ids if m not in ids]
+                if left_out:
+                    raise OrchestrationError("FAILED_PRECONDITION", f"worker {w} is already in group {unit.unit_id}: "
+                                             f"name {', '.join(left_out)} too to merge the group, or restore it first")
                 used.add(w)
-                olds.append(unit)
+                if unit not in olds:
+                    olds.append(unit)
+            if len(olds) == 1:
+                raise OrchestrationError("FAILED_PRECONDITION", f"group {ids}: these workers already form group "
+                                         f"{olds[0].unit_id}")
             if len(ids) > view.num_layers:
                 raise OrchestrationError("INVALID_ARGUMENT", f"group {ids}: {len(ids)} stages for a "
                                          f"{view.num_layers}-layer model")
-            ranges = planner.balanced_split(view.num_layers, len(ids))
-            members = tuple(Member(w, a, b, view.member(w).transfer_address) for w, (a, b) in zip(ids, ranges))
+            if any(u.is_group for u in olds):
+                members = planner.merged_members([view.member(w) for w in ids], view.num_layers)
+            else:
+                ranges = planner.balanced_split(view.num_layers, len(ids))
+                members = tuple(Member(w, a, b, view.member(w).transfer_address) for w, (a, b) in zip(ids, ranges))
             old_units.extend(olds)
-            new_units.append(Unit(group_id_for(ids), members))
+            new_units.append(Unit(planner.unit_id_for(m.worker_id for m in members), members))
         reply = memory_manager_pb2.DropPlanReply(met=True, epoch=self.cluster.layout.epoch,
                                                  groups=[planned_to_pb(u) for u in new_units])
         return reply, view, old_units, new_units
@@ -260,8 +266,9 @@ class Orchestrator:
             if not new_units:
                 return memory_manager_pb2.TransitionReport(
                     op="drop", epoch=self.cluster.layout.epoch, completed=False, plan_seconds=plan_s,
-                    autoscale_needed=True, error="no drop plan: every instance is already in a group (or the "
-                    "planner found nothing to merge); handle the overload KV-centrically or add instances")
+                    autoscale_needed=True, error="no drop plan: nothing left to merge (one group holds "
+                    "every worker, or a merge would need more stages than the model has layers); handle the "
+                    "overload KV-centrically or add instances")
             report = await self._transition("drop", view, old_units, new_units, t0)
             report.plan_seconds = plan_s
             report.autoscale_needed = reply.autoscale_needed
@@ -284,8 +291,10 @@ class Orchestrator:
             if not groups:
                 return memory_manager_pb2.TransitionReport(op="restore", epoch=self.cluster.layout.epoch,
                                                            completed=True, error="nothing to restore: no dropped group")
-            new_units = [Unit.single(m.worker_id, view.num_layers, m.transfer_address)
-                         for g in groups for m in g.members]
+            # One group: undo its last merge (a quad splits into pairs, a pair into whole instances), so a
+            # restore after two drops gives the memory back in the steps it was taken. Every group: whole.
+            new_units = [u for g in groups for u in planner.plan_split(g, view.num_layers,
+                                                                       2 if req.group_id else g.size)]
             return await self._transition("restore", view, groups, new_units, t0)
 
     async def form_static_pairs(self, timeout_s: float) -> memory_manager_pb2.TransitionReport | None:

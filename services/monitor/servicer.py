@@ -1,5 +1,7 @@
 """Monitor: receives every worker's stats stream, serves the cluster status, and (with ``monitor.auto_drop``)
-runs the overload policy: drop on overload, restore on underload, through the memory manager (KunServe §4)."""
+runs the overload policy: drop on overload, restore on underload, through the memory manager (KunServe §4).
+Drops stack: overload that outlasts a drop asks for another, which merges groups (pairs into a quad); each
+restore of a group undoes one merge (a quad into pairs, a pair into whole instances)."""
 
 from __future__ import annotations
 
@@ -278,6 +280,7 @@ class OverloadController:
 
     async def _restore(self, decision: Decision) -> None:
         done: list[str] = []
+        into: dict[str, list[str]] = {}  # group -> the units it became (a quad: two pairs; a pair: instances)
         errors: dict[str, str] = {}
         epoch = 0
         involved: set[str] = set()
@@ -289,6 +292,7 @@ class OverloadController:
                 continue
             if rep.completed:
                 done.append(gid)
+                into[gid] = [g.group_id for g in rep.groups]
                 epoch = max(epoch, rep.epoch)
                 involved |= _changed_workers(rep)
                 self.counters.restores += 1
@@ -300,7 +304,7 @@ class OverloadController:
                 self._settle = (self.clock(), epoch, frozenset(involved), self.clock() + self.settle_timeout_s)
             return
         self._succeeded(epoch, involved)
-        self.log.info("policy_restore", epoch=epoch, groups=done, counters=asdict(self.counters))
+        self.log.info("policy_restore", epoch=epoch, groups=done, into=into, counters=asdict(self.counters))
 
     def _succeeded(self, epoch: int, involved: set[str] | frozenset[str]) -> None:
         now = self.clock()

@@ -1,5 +1,9 @@
 """A worker's side of a layout transition (drop: merge into a pipeline group; restore: split back).
 
+Nothing here depends on the shape of the old or the new unit: a whole instance joining a pair, a pair's
+member joining a quad (its range halves, the KV of the layers it gives up goes to their new holder) and a
+quad's member going back to a pair (its range grows from the host copy) all run the same steps below.
+
 Driven by the memory manager (services/memory_manager/orchestrator.py) in two steps over gRPC:
 
 1. **Prepare**: stop taking requests (Generate answers FAILED_PRECONDITION, the dispatcher waits), let the

@@ -19,8 +19,13 @@ of the whole model:
 Hysteresis so it never flaps: one action at a time (after a decision the policy waits for ``complete()``,
 or ``action_timeout_s``); no restore within ``restore_cooldown_s`` of a drop; no drop within
 ``drop_cooldown_s`` of a restore (0 by default: overload is urgent, and the 50% restore threshold already
-leaves half the memory free); the hold timers restart whenever the condition breaks; a unit that is
-overloaded is never restored.
+leaves half the memory free); the hold timers restart whenever the condition breaks, the overload one
+after every completed action and the restore ones after a drop; a unit that is overloaded is never restored.
+
+Drops stack (§5.6): overload that persists after a drop — held again for ``overload_hold_s`` in the new
+layout — asks for another drop, which the planner serves by merging groups (pairs into a quad). A restore
+undoes one merge of a group at a time (a quad into pairs, then pairs into whole instances), each step after
+its own ``restore_hold_s`` below the threshold.
 """
 
 from __future__ import annotations
@@ -177,8 +182,10 @@ class OverloadPolicy:
         if ok and action == DROP:
             self._last_drop = now
             self._below_since.clear()  # hold timers restart after the layout changed
+            self._overloaded_since = None
         elif ok and action == RESTORE:
             self._last_restore = now
+            self._overloaded_since = None
 
     @property
     def pending(self) -> str | None:

@@ -15,13 +15,20 @@ possible: the drop then only unmaps layers and loads nothing (``load`` lists wha
 otherwise). When R cannot be met, the plan says so (``met`` False, ``autoscale_needed``, fallback
 ``"kv_centric"``) and still carries the best-effort merges; the caller decides whether to apply them.
 
+Existing groups merge like instances (§5.6: a second drop while dropped): two pairs become a quad whose
+members each keep half of the range they held, so the second drop also only unmaps layers.
+
+Restore (``plan_split``) is Fig. 6 run backwards one merge at a time (§4.4): a group splits into two
+groups of balanced sizes (a quad into pairs, a pair into whole instances), each member taking the new range
+that overlaps the one it holds, so it only fetches the layers next to its own.
+
 Groups and instances are `cluster.Unit`s of `cluster.Member`s (a whole instance is a one-member unit).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kunserve.shared.policy.cluster import Member, Range, Unit
@@ -173,10 +180,28 @@ def _check_unit(g: Unit, num_layers: int) -> None:
         raise ValueError(f"group {g.unit_id} holds layers up to {pos}, the model has {num_layers}")
 
 
+def unit_id_for(worker_ids: Iterable[str]) -> str:
+    """A unit's id: its members' ids in pipeline order joined by "+" (a whole instance: its worker's id)."""
+    return "+".join(worker_ids)
+
+
+def pipeline_order(members: Sequence[Member]) -> list[Member]:
+    """The order a merged group lays its members out in: by the midpoint of the range each holds now (then
+    start, then id), so that each new range lies inside the old one wherever that is possible."""
+    return sorted(members, key=lambda i: (i.layer_start + i.layer_end, i.layer_start, i.worker_id))
+
+
+def merged_members(members: Sequence[Member], num_layers: int) -> tuple[Member, ...]:
+    """The members of the group ``members`` merge into, in pipeline order with their new ranges (a balanced
+    split; transfer addresses kept)."""
+    order = pipeline_order(members)
+    return tuple(Member(m.worker_id, s, e, m.transfer_address)
+                 for m, (s, e) in zip(order, balanced_split(num_layers, len(order))))
+
+
 def assign_layers(members: Sequence[Member], model: ModelCost) -> tuple[Assignment, ...]:
-    """A balanced contiguous split among ``members``, in a pipeline order that keeps new ranges inside the
-    old ones where possible (ordered by the midpoint of the old range, then start, then id)."""
-    order = sorted(members, key=lambda i: (i.layer_start + i.layer_end, i.layer_start, i.worker_id))
+    """A balanced contiguous split among ``members``, in ``pipeline_order``."""
+    order = pipeline_order(members)
     out = []
     for inst, (s, e) in zip(order, balanced_split(model.num_layers, len(order))):
         old = inst.range
@@ -241,3 +266,32 @@ def plan_drop(groups: Sequence[Unit], model: ModelCost, required_bytes: int | No
             planned.append(PlannedUnit(gid, assign_layers(insts, model), tuple(sorted(merged_from))))
     load = sum(model.bytes_of(*rng) for g in planned for m in g.members for rng in m.load)
     return DropPlan(tuple(planned), tuple(merges), r, freed, freed >= r, load)
+
+
+# ---------------------------------------------------------------------- restore
+
+
+def plan_split(group: Unit, num_layers: int, parts: int = 2) -> tuple[Unit, ...]:
+    """Undo merges of ``group`` (§4.4): the units it splits into, ``parts`` of them with member counts as even
+    as possible (larger first; ``parts`` = its size: whole instances), members in pipeline order.
+
+    Every (new unit, stage) slot gets a balanced range; slots sorted by the midpoint of their range (then unit)
+    are matched with the members in pipeline order, so each member's new range holds the layers it holds now
+    whenever the group came from merges like the planner's (a quad of pairs: each member of the quad takes the
+    half its old pair gave it, and only fetches the other quarter). When a split that keeps every member on a
+    layer it holds does not exist, it returns whole instances, which always do."""
+    _check_unit(group, num_layers)
+    n = group.size
+    if not 2 <= parts <= n:
+        raise ValueError(f"group {group.unit_id} of {n} members cannot split into {parts} units")
+    members = sorted(group.members, key=lambda m: m.layer_start)
+    sizes = [e - s for s, e in balanced_split(n, parts)]
+    slots = sorted(((unit, stage, rng) for unit, size in enumerate(sizes)
+                    for stage, rng in enumerate(balanced_split(num_layers, size))),
+                   key=lambda slot: (slot[2][0] + slot[2][1], slot[0], slot[1]))
+    placed: list[list[Member]] = [[] for _ in sizes]
+    for member, (unit, _stage, (s, e)) in sorted(zip(members, slots), key=lambda pair: pair[1][:2]):
+        if max(s, member.layer_start) >= min(e, member.layer_end):
+            return tuple(Unit(m.worker_id, (Member(m.worker_id, 0, num_layers, m.transfer_address),)) for m in members)
+        placed[unit].append(Member(member.worker_id, s, e, member.transfer_address))
+    return tuple(Unit(unit_id_for(m.worker_id for m in ms), tuple(ms)) for ms in placed)

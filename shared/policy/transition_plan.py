@@ -2,8 +2,9 @@
 
 A *unit* is what the dispatcher routes to: a whole instance (one member) or a pipeline group (members in
 pipeline order, each holding a contiguous layer range; members[0] is the head, which owns the requests).
-A drop merges whole instances into groups, a restore splits groups back; both are one *transition* from
-old units to new units over the same workers.
+A drop merges units into a group (whole instances, or existing groups: two pairs into a quad), a restore
+splits a group back (a quad into pairs, a pair into whole instances); both are one *transition* from old
+units to new units over the same workers, and nothing here depends on how many members either side has.
 
 Every request keeps its KV: for each layer, its blocks live on the old unit's member holding that layer
 (at the old unit's block ids, which are the same on every member of a group: the head schedules one

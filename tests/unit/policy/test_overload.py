@@ -65,6 +65,17 @@ def test_overload_hold_filters_blips():
     assert actions == [NONE, NONE, NONE, NONE, DROP]  # the timer restarts at 1.0 after the blip
 
 
+def test_overload_outlasting_a_drop_asks_for_another_once_held_in_the_new_layout():
+    pol = OverloadPolicy(OverloadConfig(overload_hold_s=2.0))
+    pairs = [group("a+b", 2400, queued=100), group("c+d", 2400, queued=100)]
+    assert pol.observe(0.0, [inst("a", 1000, queued=50)]).action == NONE
+    assert pol.observe(2.0, [inst("a", 1000, queued=50)]).action == DROP
+    pol.complete(2.5)
+    assert pol.observe(3.0, pairs).action == NONE  # the hold restarts in the new layout
+    d = pol.observe(5.0, pairs)
+    assert d.action == DROP and d.units == ("a+b", "c+d")  # the planner merges the pairs into a quad
+
+
 def test_restore_after_hold_below_half_the_undropped_capacity():
     cfg = OverloadConfig(restore_hold_s=10, restore_cooldown_s=30)
     pol = OverloadPolicy(cfg)

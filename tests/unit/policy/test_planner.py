@@ -5,7 +5,7 @@ import random
 import pytest
 
 from kunserve.shared.policy.cluster import Member, Unit
-from kunserve.shared.policy.planner import ModelCost, balanced_split, plan_drop
+from kunserve.shared.policy.planner import ModelCost, balanced_split, merged_members, plan_drop, plan_split
 
 L = 32
 GB = 1 << 30
@@ -137,3 +137,92 @@ def test_bad_input_is_rejected():
         plan_drop([Unit.single("a", L), Unit("b", [Member("a", 0, L)])], MODEL, required_bytes=1)
     with pytest.raises(ValueError, match="exactly one"):
         plan_drop([Unit.single("a", L)], MODEL)
+
+
+# -- incremental drops: groups merge like instances; restore undoes one merge at a time ---------------------
+
+
+def test_a_second_drop_merges_two_pairs_into_a_quad_that_only_unmaps():
+    groups = [pipeline("p", ["a", "b"]), pipeline("q", ["c", "d"])]
+    plan = plan_drop(groups, MODEL, required_bytes=1)
+    assert plan.merges == (("p", "q", "p"),) and plan.met and plan.freed_bytes == MODEL.model_bytes
+    (quad,) = plan.changed_units
+    check_cover(quad)
+    # each member keeps the half of its old range nearer the middle of the model's order: nothing is loaded
+    assert [(m.worker_id, m.range) for m in quad.members] == [("a", (0, 8)), ("c", (8, 16)), ("b", (16, 24)),
+                                                               ("d", (24, 32))]
+    assert plan.load_bytes == 0 and all(m.freed_bytes == 8 * (GB // 2) for m in quad.members)
+    assert sorted(quad.merged_from) == ["p", "q"]
+
+
+def test_pairs_of_a_four_worker_cluster_merge_only_when_the_requirement_asks_for_it():
+    wholes = [Unit.single(f"i{k}", L) for k in range(4)]
+    first = plan_drop(wholes, MODEL, required_bytes=2 * MODEL.model_bytes)
+    assert sorted(g.size for g in first.units) == [2, 2]  # two drops: two pairs, not a quad
+    pairs = [Unit(g.unit_id, [Member(m.worker_id, *m.range) for m in g.members]) for g in first.units]
+    assert plan_drop(pairs, MODEL, required_bytes=0).merges == ()
+    second = plan_drop(pairs, MODEL, required_bytes=1)
+    assert [g.size for g in second.units] == [4] and second.load_bytes == 0
+
+
+def test_merged_members_keep_a_part_of_what_they_hold():
+    members = [Member("w1", 2, 4, "t1"), Member("w0", 0, 2, "t0"), Member("w2", 0, 4, "t2")]
+    assert merged_members(members, 4) == (Member("w0", 0, 2, "t0"), Member("w2", 2, 3, "t2"), Member("w1", 3, 4, "t1"))
+
+
+def test_a_quad_splits_into_the_pairs_it_was_merged_from():
+    quad = Unit("w0+w2+w1+w3", [Member("w0", 0, 8, "t0"), Member("w2", 8, 16), Member("w1", 16, 24),
+                                 Member("w3", 24, 32)])
+    pairs = plan_split(quad, L)
+    assert [(u.unit_id, [(m.worker_id, m.range) for m in u.members]) for u in pairs] == [
+        ("w0+w1", [("w0", (0, 16)), ("w1", (16, 32))]), ("w2+w3", [("w2", (0, 16)), ("w3", (16, 32))])]
+    assert pairs[0].members[0].transfer_address == "t0"
+    wholes = plan_split(pairs[0], L)
+    assert [(u.unit_id, [m.range for m in u.members]) for u in wholes] == [("w0", [(0, L)]), ("w1", [(0, L)])]
+    assert [u.unit_id for u in plan_split(quad, L, parts=4)] == ["w0", "w2", "w1", "w3"]
+
+
+def test_a_three_member_group_splits_into_a_pair_and_an_instance():
+    group = pipeline("g", ["a", "b", "c"])  # a [0, 11), b [11, 22), c [22, 32)
+    pair, single = plan_split(group, L)
+    assert [(m.worker_id, m.range) for m in pair.members] == [("a", (0, 16)), ("c", (16, 32))]
+    assert [(m.worker_id, m.range) for m in single.members] == [("b", (0, L))]
+
+
+def test_a_split_that_would_move_a_member_off_its_layers_gives_whole_instances():
+    lopsided = Unit("g", [Member("a", 0, 1), Member("b", 1, 2), Member("c", 2, 3), Member("d", 3, 32)])
+    assert [u.unit_id for u in plan_split(lopsided, L)] == ["a", "b", "c", "d"]
+
+
+def test_bad_splits_are_rejected():
+    with pytest.raises(ValueError, match="cannot split"):
+        plan_split(pipeline("g", ["a", "b"]), L, parts=3)
+    with pytest.raises(ValueError, match="cannot split"):
+        plan_split(Unit.single("a", L), L)
+    with pytest.raises(ValueError, match="exactly once"):
+        plan_split(Unit("g", [Member("a", 0, 10), Member("b", 12, 32)]), L)
+
+
+def test_splits_of_merged_groups_keep_every_member_on_its_layers():
+    """Groups the greedy built (any number of merges, any layer count): every split into 2..n parts tiles the
+    model per unit, keeps the workers, and gives every member a range overlapping the one it holds."""
+    rng = random.Random(11)
+    for _trial in range(300):
+        n = rng.randint(2, 8)
+        num_layers = rng.randint(n, 40)
+        model = ModelCost(num_layers=num_layers, layer_bytes=1)
+        plan = plan_drop([Unit.single(f"i{k}", num_layers) for k in range(n)], model,
+                         required_bytes=10 * num_layers * n)
+        for planned in plan.changed_units:
+            group = Unit(planned.unit_id, [Member(m.worker_id, *m.range) for m in planned.members])
+            for parts in range(2, group.size + 1):
+                units = plan_split(group, num_layers, parts)
+                assert sorted(w for u in units for w in u.worker_ids) == sorted(group.worker_ids)
+                for u in units:
+                    check_cover(u, num_layers)
+                    assert u.unit_id == "+".join(u.worker_ids)
+                    for m in u.members:
+                        old = group.member(m.worker_id)
+                        assert max(old.layer_start, m.layer_start) < min(old.layer_end, m.layer_end)
+                if num_layers % group.size == 0 and group.size % parts == 0:
+                    assert len(units) == parts, "an evenly laid out group splits as asked"

@@ -317,3 +317,43 @@ def test_requests_staying_with_their_head_keep_their_block_ids():
     assert got["b1"] == (3, 4, 5) and got["a3"] == (6,)
     flows = kv_flows(old, new, [m for m in assign_tables(moves, new, old_heads={"A": "A", "B": "B"})])
     assert ("A", "A") in flows and [p.request_id for p in flows["A", "A"].parts] == ["a3"]
+
+
+# -- incremental drops: two pairs -> a quad, and back -----------------------------------------------------
+
+PAIRS = [group("pA", ("A0", 0, 2), ("A1", 2, 4)), group("pB", ("B0", 0, 2), ("B1", 2, 4))]
+QUAD = [group("q", ("A0", 0, 1), ("B0", 1, 2), ("A1", 2, 3), ("B1", 3, 4), kv_blocks=12)]
+
+
+def test_merging_two_pairs_moves_only_the_layers_that_change_hands():
+    check_units(PAIRS, QUAD, L)
+    moves = assign_tables([SeqMove("a", "pA", "q", (2, 3)), SeqMove("b", "pB", "q", (0, 1, 2))], QUAD,
+                          old_heads={"pA": "A0", "pB": "B0"})
+    assert {m.request_id: m.new_blocks for m in moves} == {"a": (2, 3), "b": (0, 1, 4)}  # a stays with its head
+    flows = kv_flows(PAIRS, QUAD, moves)
+    # a: layers 0 and 2 stay where they are (same worker, same ids); 1 goes A0 -> B0, 3 goes A1 -> B1
+    assert flows["A0", "B0"].parts == [FlowPart("a", 1, 2, (2, 3), (2, 3))]
+    assert flows["A1", "B1"].parts == [FlowPart("a", 3, 4, (2, 3), (2, 3))]
+    # b: layer 0 goes B0 -> A0, layer 2 B1 -> A1; layers 1 and 3 stay on their worker, renumbered
+    assert flows["B0", "A0"].parts == [FlowPart("b", 0, 1, (0, 1, 2), (0, 1, 4))]
+    assert flows["B1", "A1"].parts == [FlowPart("b", 2, 3, (0, 1, 2), (0, 1, 4))]
+    assert flows["B0", "B0"].parts == [FlowPart("b", 1, 2, (0, 1, 2), (0, 1, 4))]
+    assert flows["B1", "B1"].parts == [FlowPart("b", 3, 4, (0, 1, 2), (0, 1, 4))]
+    assert set(flows) == {("A0", "B0"), ("A1", "B1"), ("B0", "A0"), ("B1", "A1"), ("B0", "B0"), ("B1", "B1")}
+
+
+def test_splitting_a_quad_into_pairs_brings_each_request_back_to_one_pair():
+    new = [group("pA", ("A0", 0, 2), ("A1", 2, 4), kv_blocks=6), group("pB", ("B0", 0, 2), ("B1", 2, 4), kv_blocks=6)]
+    check_units(QUAD, new, L)
+    targeted = assign_restore_targets([SeqMove("x", "q", "", (0, 1, 2)), SeqMove("y", "q", "", (3,))],
+                                      {"pA": 6, "pB": 6})
+    assert {m.request_id: m.new_unit for m in targeted} == {"x": "pA", "y": "pB"}
+    flows = kv_flows(QUAD, new, assign_tables(targeted, new, old_heads={"q": "A0"}))
+    # x stays on the quad's head A0 with its ids: only B0's layer 1 and B1's layer 3 come to the pair
+    assert flows["B0", "A0"].parts == [FlowPart("x", 1, 2, (0, 1, 2), (0, 1, 2))]
+    assert flows["B1", "A1"].parts == [FlowPart("x", 3, 4, (0, 1, 2), (0, 1, 2))]
+    # y goes to the other pair: layers 0 (A0) and 2 (A1) come over, 1 and 3 are renumbered in place
+    assert flows["A0", "B0"].parts == [FlowPart("y", 0, 1, (3,), (0,))]
+    assert flows["A1", "B1"].parts == [FlowPart("y", 2, 3, (3,), (0,))]
+    assert flows["B0", "B0"].parts == [FlowPart("y", 1, 2, (3,), (0,))]
+    assert flows["B1", "B1"].parts == [FlowPart("y", 3, 4, (3,), (0,))]

@@ -183,6 +183,57 @@ def test_partial_restore_failure_counts_and_completes_not_ok():
     assert ctl.counters.restores == 1 and ctl.counters.failures == 1 and ctl.policy.pending is None
 
 
+def formed(op, epoch, *groups):
+    """A completed transition report whose changed units are `groups` (tuples of worker ids)."""
+    return memory_manager_pb2.TransitionReport(op=op, epoch=epoch, completed=True, groups=[
+        memory_manager_pb2.PlannedGroup(group_id="+".join(g), changed=True, members=[
+            memory_manager_pb2.WorkerLayout(worker_id=w) for w in g]) for g in groups])
+
+
+PAIR_A, PAIR_B, QUAD = ("w0", "w1"), ("w2", "w3"), ("w0", "w2", "w1", "w3")
+
+
+def pair_reports(epoch, used, queued=0):
+    return [member(w, "+".join(g), list(g), used=used, total=1200, epoch=epoch,
+                   queued_demand_blocks=queued if w == g[0] else 0) for g in (PAIR_A, PAIR_B) for w in g]
+
+
+def test_overload_that_outlasts_a_drop_asks_for_a_second_one_once_held_again():
+    """Drops stack (§5.6): two pairs still blocked after the first drop get a second drop (the memory manager
+    merges them into a quad), after overload_hold_s in the new layout, not at once on the old timer."""
+    ctl, load, mm, clock = make(OverloadConfig(margin_frac=0.0, overload_hold_s=1.0, restore_hold_s=0.0,
+                                               restore_cooldown_s=0.0))
+    hot = [whole(w, used=990, queued=60) for w in ("w0", "w1", "w2", "w3")]
+    report(load, clock, *hot)
+    assert asyncio.run(ctl.tick()).action == NONE  # held for 0 s
+    clock.t += 1.0
+    report(load, clock, *hot)
+    mm.drop_result = formed("drop", 2, PAIR_A, PAIR_B)
+    assert asyncio.run(ctl.tick()).action == DROP and len(mm.drops) == 1
+    clock.t += 0.2
+    report(load, clock, *pair_reports(epoch=2, used=1200, queued=100))  # still blocked as pairs
+    d = asyncio.run(ctl.tick())
+    assert d.action == NONE and "not held long enough" in d.reason
+    clock.t += 1.0
+    report(load, clock, *pair_reports(epoch=2, used=1200, queued=100))
+    mm.drop_result = formed("drop", 3, QUAD)
+    d = asyncio.run(ctl.tick())
+    assert d.action == DROP and d.units == ("w0+w1", "w2+w3") and mm.drops[-1] == (200, "overload")
+    assert ctl.counters.drops == 2 and ctl.counters.failures == 0
+
+
+def test_a_quiet_quad_is_restored_to_pairs_then_to_whole_instances():
+    ctl, load, mm, clock = make()
+    mm.restore_result = lambda gid: formed("restore", 4, PAIR_A, PAIR_B) if gid == "+".join(QUAD) else formed(
+        "restore", 5, *((w,) for w in gid.split("+")))
+    report(load, clock, *(member(w, "+".join(QUAD), list(QUAD), used=100, total=2000, epoch=3) for w in QUAD))
+    assert asyncio.run(ctl.tick()).action == RESTORE and mm.restores == ["w0+w2+w1+w3"]
+    clock.t += 0.2
+    report(load, clock, *pair_reports(epoch=4, used=50))
+    assert asyncio.run(ctl.tick()).action == RESTORE and mm.restores[1:] == ["w0+w1", "w2+w3"]
+    assert ctl.counters.restores == 3 and ctl.counters.failures == 0
+
+
 def test_no_decision_while_anything_transitions():
     ctl, load, mm, clock = make()
     report(load, clock, whole("w0", used=990, queued=60), whole("w1", transitioning=True))

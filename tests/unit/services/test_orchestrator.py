@@ -276,7 +276,8 @@ def test_explicit_groups_split_evenly_in_the_order_given():
     ([["w2", "w9"]], "NOT_FOUND", "no worker 'w9'"),
     ([["w0", "w0"]], "INVALID_ARGUMENT", "w0 is in two groups"),
     ([["w2", "w3"], ["w3", "w4"]], "INVALID_ARGUMENT", "w3 is in two groups"),
-    ([["w0", "w2"]], "FAILED_PRECONDITION", "already in group w0+w1"),
+    ([["w0", "w2"]], "FAILED_PRECONDITION", "already in group w0+w1: name w1 too"),
+    ([["w1", "w0"]], "FAILED_PRECONDITION", "already form group w0+w1"),
     ([["w2", "w3", "w4", "w5", "w6"]], "INVALID_ARGUMENT", "5 stages for a 4-layer model"),
     ([["w2", "w7"]], "UNAVAILABLE", "w7 is not reachable"),
 ])
@@ -333,6 +334,115 @@ def test_nothing_to_restore_is_a_completed_no_op():
     c = wholes("w0", "w1")
     report = run(orchestrator(c).restore(memory_manager_pb2.RestoreRequest()))
     assert report.completed and "nothing to restore" in report.error and c.transition_calls() == []
+
+
+# -- incremental drops: groups merge (pairs -> a quad), a restore undoes one merge ---------------------------
+
+
+def two_pairs(layout_epoch: int = 5) -> FakeCluster:
+    """w0 + w1 and w2 + w3, each head owning requests (w0: r1, r2; w2: r3)."""
+    c = FakeCluster(layout=LayoutState(epoch=layout_epoch))
+    for head, stage, seqs in (("w0", "w1", (seq("r1", "w0+w1", [4, 5, 6]), seq("r2", "w0+w1", [0]))),
+                              ("w2", "w3", (seq("r3", "w2+w3", [0, 1]),))):
+        gid = f"{head}+{stage}"
+        c.add(head, layers=(0, 2), group_id=gid, members=(head, stage), epoch=5, kv_blocks_after=20, seqs=seqs)
+        c.add(stage, layers=(2, 4), group_id=gid, members=(head, stage), epoch=5, kv_blocks_after=30)
+    return c
+
+
+QUAD = ("w0", "w2", "w1", "w3")
+
+
+def quad() -> FakeCluster:
+    """The two pairs merged: w0 [0, 1), w2 [1, 2), w1 [2, 3), w3 [3, 4); the head w0 owns three requests."""
+    c = FakeCluster(layout=LayoutState(epoch=7))
+    for i, w in enumerate(QUAD):
+        c.add(w, layers=(i, i + 1), group_id="+".join(QUAD), members=QUAD, epoch=7, kv_blocks_after=8,
+              seqs=(seq("r1", "+".join(QUAD), [0, 1, 2]), seq("r2", "+".join(QUAD), [3]),
+                    seq("r3", "+".join(QUAD), [4, 5])) if i == 0 else ())
+    return c
+
+
+def test_a_second_drop_merges_two_pairs_into_a_quad_where_each_member_keeps_half_its_layers():
+    c = two_pairs()
+
+    async def scenario():
+        orch = orchestrator(c)
+        reply, *_ = await orch.plan(memory_manager_pb2.DropRequest())
+        return reply, await orch.drop(memory_manager_pb2.DropRequest())
+
+    reply, report = run(scenario())
+    assert reply.met and reply.freed_bytes == L << 20 and reply.freed_blocks == 256  # one more model copy freed
+    assert [(g.group_id, [(m.worker_id, m.layer_start, m.layer_end) for m in g.members]) for g in reply.groups] == [
+        ("w0+w2+w1+w3", [("w0", 0, 1), ("w2", 1, 2), ("w1", 2, 3), ("w3", 3, 4)])]
+    assert report.completed, report.error
+    assert c.transition_calls() == [(rpc, w) for rpc in ("PrepareTransition", "ExecuteTransition", "CommitTransition")
+                                    for w in ("w0", "w1", "w2", "w3")]
+    prepare = c.calls("PrepareTransition")[0].request
+    assert prepare.op == "drop" and unit_ids(prepare.old_units) == ["w0+w1", "w2+w3"]
+    execute = c.calls("ExecuteTransition")[0].request
+    assert [(u.unit_id, u.kv_blocks) for u in execute.new_units] == [("w0+w2+w1+w3", 20)]  # min over members
+    # the old head w0 heads the quad: its requests keep their ids, the other pair's get the lowest free ones
+    assert {s.request_id: (s.old_unit, s.new_unit, list(s.new_blocks)) for s in execute.seqs} == {
+        "r1": ("w0+w1", "w0+w2+w1+w3", [4, 5, 6]), "r2": ("w0+w1", "w0+w2+w1+w3", [0]),
+        "r3": ("w2+w3", "w0+w2+w1+w3", [1, 2])}
+    assert transition_epochs(c) == {6} and report.epoch == 6 and report.requests_moved == 3
+    assert [g.group_id for g in report.groups] == ["w0+w2+w1+w3"]
+
+
+def test_a_failing_member_of_a_merge_of_pairs_aborts_all_four():
+    c = two_pairs()
+    c.workers["w3"].fail["ExecuteTransition"] = rpc_error(grpc.StatusCode.INTERNAL, "kv exchange broke")
+    report = run(orchestrator(c).drop(memory_manager_pb2.DropRequest()))
+    assert report.rolled_back and not report.completed
+    assert report.error == "execute failed: w3: INTERNAL: kv exchange broke"
+    assert [w for rpc, w in c.transition_calls() if rpc == "AbortTransition"] == ["w0", "w1", "w2", "w3"]
+    assert {call.request.epoch for call in c.calls("AbortTransition")} == {6}
+
+
+@pytest.mark.parametrize("given", [["w0", "w1", "w2", "w3"], ["w3", "w2", "w1", "w0"]])
+def test_an_explicit_group_of_whole_pairs_is_laid_out_as_the_planner_merges(given):
+    c = two_pairs()
+    req = memory_manager_pb2.DropRequest(groups=[memory_manager_pb2.GroupMembers(worker_ids=given)])
+    report = run(orchestrator(c).drop(req))
+    assert report.completed, report.error
+    prepare = c.calls("PrepareTransition")[0].request
+    assert sorted(unit_ids(prepare.old_units)) == ["w0+w1", "w2+w3"]
+    assert [ranges(u) for u in prepare.new_units] == [[("w0", 0, 1), ("w2", 1, 2), ("w1", 2, 3), ("w3", 3, 4)]]
+
+
+def test_an_explicit_group_of_a_pair_and_a_whole_instance_forms_three_stages():
+    c = paired()
+    req = memory_manager_pb2.DropRequest(groups=[memory_manager_pb2.GroupMembers(worker_ids=["w2", "w0", "w1"])])
+    report = run(orchestrator(c).drop(req))
+    assert report.completed, report.error
+    prepare = c.calls("PrepareTransition")[0].request
+    assert unit_ids(prepare.old_units) == ["w2", "w0+w1"]
+    # everyone keeps layers it holds: w0 [0, 2) and w1 [2, 4) unchanged, w2 (whole) takes the middle
+    assert [ranges(u) for u in prepare.new_units] == [[("w0", 0, 2), ("w2", 2, 3), ("w1", 3, 4)]]
+
+
+def test_restoring_a_quad_by_id_splits_it_into_the_pairs_it_came_from():
+    c = quad()
+    report = run(orchestrator(c).restore(memory_manager_pb2.RestoreRequest(group_id="w0+w2+w1+w3")))
+    assert report.completed, report.error
+    prepare = c.calls("PrepareTransition")[0].request
+    assert prepare.op == "restore" and unit_ids(prepare.old_units) == ["w0+w2+w1+w3"]
+    # each member grows around the layer it holds: w0 [0, 1) -> [0, 2), w1 [2, 3) -> [2, 4), ...
+    assert [ranges(u) for u in prepare.new_units] == [[("w0", 0, 2), ("w1", 2, 4)], [("w2", 0, 2), ("w3", 2, 4)]]
+    execute = c.calls("ExecuteTransition")[0].request
+    # largest first to the freest pair: r1 -> w0+w1 (w0 was the head: keeps its ids), r3 and r2 -> w2+w3 (ids in input order)
+    assert {s.request_id: (s.new_unit, list(s.new_blocks)) for s in execute.seqs} == {
+        "r1": ("w0+w1", [0, 1, 2]), "r2": ("w2+w3", [0]), "r3": ("w2+w3", [1, 2])}
+    assert [g.group_id for g in report.groups] == ["w0+w1", "w2+w3"] and report.epoch == 8
+
+
+def test_restoring_every_group_takes_a_quad_back_to_whole_instances():
+    c = quad()
+    report = run(orchestrator(c).restore(memory_manager_pb2.RestoreRequest()))
+    assert report.completed, report.error
+    prepare = c.calls("PrepareTransition")[0].request
+    assert [ranges(u) for u in prepare.new_units] == [[(w, 0, L)] for w in QUAD]
 
 
 # -- migrate ------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from kunserve.shared.model.reference import reference_scores
 from kunserve.shared.model.weights import load_model_source
 from kunserve.shared.policy.batch_scheduler import SchedulerConfig
 from kunserve.shared.policy.cluster import Member, Unit
+from kunserve.shared.policy.planner import merged_members, plan_split, unit_id_for
 from kunserve.shared.policy.transition_plan import SeqMove, assign_restore_targets, assign_tables
 from kunserve.shared.streams import StreamRegistry
 from kunserve.shared.transfer.framing import KV_EXCHANGE
@@ -448,5 +449,91 @@ def test_prepare_refuses_what_it_cannot_do():
             assert refused.value.code == "FAILED_PRECONDITION"
             await w0.runner.abort(1)
             assert not w0.runner.transitioning and not w0.loop.paused
+
+    asyncio.run(main())
+
+
+# -- incremental drops: pairs -> a quad -> pairs -> whole instances ------------------------------------------
+
+def pairs_of(workers: dict[str, Worker]) -> list[Unit]:
+    """w0 + w1 and w2 + w3, as two drops of whole instances form them."""
+    return [Unit(f"{a}+{b}", (workers[a].member(0, 2), workers[b].member(2, NUM_LAYERS)))
+            for a, b in (("w0", "w1"), ("w2", "w3"))]
+
+
+def quad_of(workers: dict[str, Worker]) -> Unit:
+    """The two pairs merged as the planner merges groups: each member keeps half of its old range."""
+    members = merged_members([m for u in pairs_of(workers) for m in u.members], NUM_LAYERS)
+    return Unit(unit_id_for(m.worker_id for m in members), members)
+
+
+def with_blocks(unit: Unit, workers: dict[str, Worker]) -> Unit:
+    return Unit(unit.unit_id, unit.members, workers[unit.head].loop.engine.allocator.num_blocks)
+
+
+async def transition(workers: dict[str, Worker], epoch: int, op: str, old: list[Unit], new: list[Unit]) -> None:
+    pause(workers)
+    spec, prepared = await prepare(workers, epoch, op, old, new)
+    done = await execute(workers, plan(spec, prepared, op, old, new))
+    assert all(isinstance(d, worker_pb2.TransitionDone) for d in done.values()), done
+    await commit(workers, epoch)
+
+
+def test_pairs_merge_into_a_quad_mid_decode_and_split_back_step_by_step():
+    async def main() -> None:
+        async with cluster(4) as (net, workers):
+            reqs = start_requests(workers, per_worker=1, max_tokens=48)
+            await reqs.until_each_has(2)
+            await transition(workers, 1, "drop", [w.single() for w in workers.values()], pairs_of(workers))
+            seen = {rid: len(t) for rid, t in reqs.tokens.items()}
+            await reqs.until_each_has(min(seen.values()) + 2)
+
+            quad = quad_of(workers)
+            assert quad.worker_ids == ("w0", "w2", "w1", "w3")
+            await transition(workers, 2, "drop", [with_blocks(u, workers) for u in pairs_of(workers)], [quad])
+            assert [workers[w].inst.layer_range for w in quad.worker_ids] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+            head = workers["w0"]
+            assert head.runner.role is not None and head.runner.role.is_head and head.runner.members == list(quad.worker_ids)
+            assert sorted(head.loop.engine.seqs) == sorted(reqs.tokens), "the quad's head owns every request"
+            assert all(not workers[w].loop.engine.seqs and workers[w].runner.role is not None for w in ("w1", "w2", "w3"))
+            assert all(workers[w].runner.unit_id == quad.unit_id for w in workers)
+            seen = {rid: len(t) for rid, t in reqs.tokens.items()}
+            await reqs.until_each_has(min(seen.values()) + 3)  # the quad decodes through four stages
+
+            pairs = list(plan_split(quad, NUM_LAYERS))
+            assert [u.worker_ids for u in pairs] == [("w0", "w1"), ("w2", "w3")]
+            await transition(workers, 3, "restore", [with_blocks(quad, workers)], pairs)
+            assert [workers[w].inst.layer_range for w in ("w0", "w1", "w2", "w3")] == [(0, 2), (2, 4), (0, 2), (2, 4)]
+            assert workers["w0"].loop.engine.seqs and workers["w2"].loop.engine.seqs, "the restore spread the requests"
+            seen = {rid: len(t) for rid, t in reqs.tokens.items()}
+            await reqs.until_each_has(min(seen.values()) + 2)
+
+            wholes = [u for p in pairs for u in plan_split(p, NUM_LAYERS)]
+            await transition(workers, 4, "restore", [with_blocks(p, workers) for p in pairs], wholes)
+            assert all(w.inst.layer_range == (0, NUM_LAYERS) and w.runner.role is None for w in workers.values())
+            await reqs.finish()
+
+    asyncio.run(main())
+
+
+def test_a_failed_merge_of_pairs_heals_every_member_and_keeps_every_request():
+    async def main() -> None:
+        async with cluster(4, timeout_s=8.0) as (net, workers):
+            reqs = start_requests(workers, per_worker=1, max_tokens=32)
+            await reqs.until_each_has(2)
+            await transition(workers, 1, "drop", [w.single() for w in workers.values()], pairs_of(workers))
+            pause(workers)
+            old, new = [with_blocks(u, workers) for u in pairs_of(workers)], [quad_of(workers)]
+            spec, prepared = await prepare(workers, 2, "drop", old, new)
+            assert len(prepared["w0"].seqs) == len(prepared["w2"].seqs) == 2 and not prepared["w1"].seqs
+            net.refused.add(("w3", KV_EXCHANGE))  # the second pair's stage cannot send its KV
+            done = await execute(workers, plan(spec, prepared, "drop", old, new))
+            assert isinstance(done["w3"], TransferError)
+            for w in workers.values():  # the orchestrator aborts everywhere
+                await w.runner.abort(2)
+            for w in workers.values():
+                assert w.inst.layer_range == (0, NUM_LAYERS) and w.runner.role is None and not w.runner.transitioning
+            assert not workers["w1"].loop.engine.seqs and not workers["w3"].loop.engine.seqs
+            await reqs.finish()
 
     asyncio.run(main())
