@@ -2,11 +2,13 @@
 
 `run` replays a trace against a cluster that is already up (any policy) over gRPC, or with `--endpoint`
 against any OpenAI-compatible server over HTTP, and writes result.json plus ttft_timeline.png and
-latency_cdf.png. `compare` starts a fresh local cluster per overload policy (same config, trace and prompt
-seed), runs the same replay on each, then on every `--external NAME=URL` server (a real vLLM, say), prints one
-comparison table and writes compare.json and compare.png — the headline comparison of KunServe §5 in the same
-system. `convert-trace` rewrites a trace between the BurstGPT CSV, vLLM timed_trace and Mooncake formats, so
-`vllm bench serve` can replay the very trace this harness replays.
+latency_cdf.png. `compare` first sizes the generated trace to the machine (a probe or a cost-model profile,
+and the cluster's undropped KV capacity: benchkit/calibrate.py), then starts a fresh local cluster per run of
+every overload policy or ablation variant (same config, trace and prompt seed), runs the same replay on each and
+on every `--external NAME=URL` server (a real vLLM, say), `--repeats` times interleaved, prints one table of
+medians and ranges (or says the trace never overloaded) and writes compare.json and compare.png — the headline
+comparison of KunServe §5 in the same system. `convert-trace` rewrites a trace between the BurstGPT CSV, vLLM
+timed_trace and Mooncake formats, so `vllm bench serve` can replay the very trace this harness replays.
 
 Errors are one line on stderr (exit 1); Ctrl-C writes what was measured so far and exits 130.
 """
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import datetime as dt
 import json
+import math
 import os
 import platform
 import re
@@ -28,7 +32,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kunserve import client
+from kunserve.benchkit.calibrate import (
+    DEFAULT_OVERLOAD,
+    NEVER_OVERLOADED,
+    OVERLOADED,
+    CalibrationError,
+    Speeds,
+    calibrate,
+    observed_overload,
+    peak_kv_demand,
+    speeds_from_cost_model,
+    verdict,
+)
 from kunserve.benchkit.openai_replay import EndpointError, list_models, normalize_base_url, replay_openai
+from kunserve.benchkit.probe import ProbeError, cluster_capacity, probe_speeds
+from kunserve.benchkit.repeats import Spread, schedule, spread
 from kunserve.benchkit.replay import ClusterUnreachable, ReplayOutcome, drop_periods, replay
 from kunserve.benchkit.stats import RequestResult, best_p50, summarize
 from kunserve.benchkit.trace import (
@@ -45,15 +63,16 @@ from kunserve.benchkit.trace import (
     scale_lengths,
     upscale,
 )
+from kunserve.benchkit.variants import POLICY_VARIANTS, VariantUnavailable, apply_variant
 from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_ports, with_workers
 from kunserve.shared.config import ClusterConfig, ConfigError, load_config
 from kunserve.shared.policy.overload_policies import OVERLOAD_POLICIES
 from kunserve.shared.rpc import health_check
 
-RESULT_VERSION = 1
+RESULT_VERSION = 2
 # Defaults sized for the embedded tiny model on a 2-core CPU with 2 workers and a 36 MiB pool (~2k tokens of
-# KV per whole instance): BurstGPT-like lengths at half scale (mean ~320 in / ~130 out), 1 request/s, then
-# 6x that rate for 20 s, which overflows the instances' KV memory for most of the window.
+# KV per whole instance): BurstGPT-like lengths at half scale (mean ~320 in / ~130 out), 1 request/s, then a
+# burst from 5 s to 25 s at 6x that rate, a factor calibration replaces with what overloads this machine.
 DEFAULT_RATE = 1.0
 DEFAULT_DURATION_S = 40.0
 DEFAULT_BURST = "5:20:6"
@@ -61,6 +80,11 @@ DEFAULT_LENGTH_SCALE = 0.5
 DEFAULT_MAX_PROMPT = 1024
 DEFAULT_MAX_OUTPUT = 384
 COMPARE_POOL_MIB = 36
+DEFAULT_REPEATS = 3
+UNBOUNDED = 1 << 40  # an admission bound no trace reaches
+PROBE_MAX_PROMPT = 1024  # the calibration probe's prefills: the trace's mean prompt, at most this long
+PROBE_DECODE_TOKENS = 32
+PROBE_FILL = 0.75  # the probe's decoding requests fill at most this much of an instance's KV
 # The `kind` a loaded trace gets in the result's trace source, by format.
 SOURCE_KINDS = {"csv": "burstgpt_csv", "timed_trace": "timed_trace", "mooncake": "mooncake"}
 API_KEY_ENV = "OPENAI_API_KEY"  # what `vllm bench serve` and the openai SDK read
@@ -83,8 +107,27 @@ def parse_burst(text: str) -> Burst:
                                          f"{': ' + str(exc) if ':' in text and text.count(':') == 2 else ''}") from None
 
 
-def build_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], dict]:
-    """The trace the arguments describe, and a JSON-able description of where it came from."""
+def _generated(args: argparse.Namespace) -> list[TraceRequest]:
+    """The generator's trace with --limit and --upscale applied (possibly empty)."""
+    try:
+        trace = generate_trace(rate=args.rate, cv=args.cv, duration_s=args.duration, profile=args.profile,
+                               seed=args.seed, scale=args.length_scale, burst=args.burst, max_prompt=args.max_prompt,
+                               max_output=args.max_output)
+    except ValueError as exc:
+        raise BenchError(f"bad trace parameters: {exc}") from None
+    if args.limit:
+        trace = trace[: args.limit]
+    if args.upscale != 1.0:
+        try:
+            trace = upscale(trace, args.upscale, seed=args.seed)
+        except ValueError as exc:
+            raise BenchError(f"bad --upscale: {exc}") from None
+    return trace
+
+
+def build_trace(args: argparse.Namespace, *, save: bool = True) -> tuple[list[TraceRequest], dict]:
+    """The trace the arguments describe, and a JSON-able description of where it came from; with `save`, also
+    written to --save-trace."""
     if args.limit is not None and args.limit < 1:
         raise BenchError("--limit must be >= 1")
     if args.trace:
@@ -93,30 +136,129 @@ def build_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], dict]:
         source = {"kind": SOURCE_KINDS[fmt], "path": str(args.trace), "skipped_rows": skipped}
         if args.length_scale != 1.0 or args.max_prompt or args.max_output:
             trace = scale_lengths(trace, args.length_scale, max_prompt=args.max_prompt, max_output=args.max_output)
+        if args.upscale != 1.0:
+            try:
+                trace = upscale(trace, args.upscale, seed=args.seed)
+            except ValueError as exc:
+                raise BenchError(f"bad --upscale: {exc}") from None
     else:
-        try:
-            trace = generate_trace(rate=args.rate, cv=args.cv, duration_s=args.duration, profile=args.profile,
-                                   seed=args.seed, scale=args.length_scale, burst=args.burst,
-                                   max_prompt=args.max_prompt, max_output=args.max_output)
-        except ValueError as exc:
-            raise BenchError(f"bad trace parameters: {exc}") from None
+        trace = _generated(args)
         source = {"kind": "gamma", "rate": args.rate, "cv": args.cv, "duration_s": args.duration,
                   "profile": args.profile, "burst": None if args.burst is None else vars(args.burst)}
-        if args.limit:
-            trace = trace[: args.limit]
     if args.upscale != 1.0:
-        try:
-            trace = upscale(trace, args.upscale, seed=args.seed)
-        except ValueError as exc:
-            raise BenchError(f"bad --upscale: {exc}") from None
         source["upscale"] = args.upscale
     source.update(seed=args.seed, length_scale=args.length_scale, max_prompt=args.max_prompt,
                   max_output=args.max_output)
     if not trace:
         raise BenchError("the trace is empty: nothing to replay")
-    if args.save_trace:
+    if save and args.save_trace:
         save_trace(trace, args.save_trace, args.save_trace_format)
     return trace, source
+
+
+# -- calibration ---------------------------------------------------------------------------------------------
+def profile_speeds(cfg: ClusterConfig, *, prompt_tokens: int, concurrency: int,
+                   context_tokens: int) -> tuple[Speeds | None, str]:
+    """Speeds predicted by the cost-model profile of `engine.profile` when it holds one for this model, dtype,
+    device and thread count over all layers (what a whole instance runs); else None and why not."""
+    if not cfg.engine.profile:
+        return None, "no engine.profile in the config"
+    from kunserve.shared.model.weights import load_model_source
+    from kunserve.shared.process import DeviceError, pick_device, thread_share
+    from kunserve.shared.profile_files import ProfileError, device_signature, find_profile
+
+    try:
+        source = load_model_source(cfg.model.path or None, seed=cfg.model.seed, dtype=cfg.model.dtype)
+        sig = device_signature(pick_device(cfg.model.device), thread_share(cfg))
+        prof = find_profile(cfg.engine.profile, model=source.name, dtype=source.config.dtype,
+                            layers=(0, source.config.num_layers), device_sig=sig)
+    except (ProfileError, DeviceError, OSError, ValueError) as exc:
+        return None, str(exc)
+    return speeds_from_cost_model(prof.kunserve, prompt_tokens=prompt_tokens, concurrency=concurrency,
+                                  context_tokens=context_tokens, source=f"profile {prof.key}"), prof.key
+
+
+def _with_load(args: argparse.Namespace, rate: float, factor: float) -> argparse.Namespace:
+    """`args` with this base rate and burst factor (same burst window)."""
+    out = copy.copy(args)
+    out.rate = rate
+    out.burst = None if args.burst is None else Burst(args.burst.start_s, args.burst.duration_s, factor)
+    return out
+
+
+def plan_trace(args: argparse.Namespace, console, *, address: str, admin: str | None, creds: client.Credentials,
+               cfg: ClusterConfig, workers: int | None, where: str) -> tuple[list[TraceRequest], dict, dict | None]:
+    """The trace to replay on the cluster at `address` and where it came from, plus the calibration record (None
+    with --calibrate off). Calibrating a generated trace sets its base rate and burst factor so its planned peak KV
+    demand is --overload x the cluster's undropped capacity; a loaded trace is replayed as it is, with its planned
+    demand reported."""
+    trace, source = build_trace(args, save=False)
+    if args.calibrate == "off":
+        if args.save_trace:
+            save_trace(trace, args.save_trace, args.save_trace_format)
+        return trace, source, None
+    if admin is None:
+        raise BenchError("calibration needs the admin service (the workers' KV capacity): give --admin, or "
+                         "--calibrate off")
+    capacity = asyncio.run(cluster_capacity(admin, creds, workers=workers))
+    d = describe(trace)
+    footprint = d["mean_prompt"] + d["mean_output"] / 2  # a request's KV halfway through its decode
+    prompt = max(1, min(PROBE_MAX_PROMPT, round(d["mean_prompt"])))
+    # as many requests per instance as it holds when full, short of overloading it (which would time preemptions,
+    # or on a running kunserve cluster trigger a drop)
+    per_instance = max(1, min(round(capacity.per_instance_tokens / footprint),
+                              int(PROBE_FILL * capacity.per_instance_tokens / (prompt + PROBE_DECODE_TOKENS))))
+    speeds: Speeds | None = None
+    if args.calibrate in ("auto", "profile"):
+        speeds, why = profile_speeds(cfg, prompt_tokens=prompt, concurrency=per_instance,
+                                     context_tokens=round(footprint))
+        if speeds is None and args.calibrate == "profile":
+            raise BenchError(f"--calibrate profile: {why}")
+    if speeds is None:
+        console.print(f"calibration: probing {where} ({prompt}-token prefills alone, then {per_instance} such "
+                      "requests per instance decoding together)")
+        speeds = asyncio.run(probe_speeds(address, creds, prompt_tokens=prompt, concurrency=per_instance,
+                                          workers=capacity.workers, seed=args.seed, decode_tokens=PROBE_DECODE_TOKENS))
+    record: dict = {"target": args.overload, "capacity": capacity.to_dict(), "speeds": speeds.to_dict()}
+    if args.trace:
+        peak = peak_kv_demand(trace, speeds)
+        record.update(calibrated=False, planned_peak_tokens=peak.tokens, planned_peak_at_s=peak.at_s,
+                      planned_ratio=peak.tokens / capacity.tokens)
+    else:
+        try:
+            cal = calibrate(lambda rate, factor: _generated(_with_load(args, rate, factor)), rate=args.rate,
+                            burst_factor=None if args.burst is None else args.burst.factor, speeds=speeds,
+                            capacity_tokens=capacity.tokens, target=args.overload)
+        except CalibrationError as exc:
+            raise BenchError(f"calibration: {exc}") from None
+        chosen = {k: v for k, v in cal.to_dict().items() if k not in ("speeds", "capacity_tokens", "target")}
+        record.update(calibrated=True, given={"rate": args.rate, "burst_factor": None if args.burst is None
+                                              else args.burst.factor}, **chosen)
+        trace, source = build_trace(_with_load(args, cal.rate, cal.burst_factor or 1.0), save=False)
+    source["calibration"] = record
+    if args.save_trace:
+        save_trace(trace, args.save_trace, args.save_trace_format)
+    console.print(calibration_line(record))
+    return trace, source, record
+
+
+def calibration_line(record: dict) -> str:
+    """One line: the speeds and capacity measured, the load chosen, the demand planned."""
+    sp, cap = record["speeds"], record["capacity"]
+    how = "probe" if sp["source"] == "probe" else sp["source"]
+    text = (f"calibration ({how}): prefill {sp['prefill_tokens_per_s']:,.0f} tok/s, TPOT {_ms(sp['tpot_s'])} ms at "
+            f"{sp['concurrency']} requests per instance; undropped KV capacity {cap['tokens']:,} tokens "
+            f"({cap['workers']} workers)")
+    if record["calibrated"]:
+        given = record["given"]
+        load = [f"rate {given['rate']:g} -> {record['rate']:.3g} req/s"] if record["rate"] != given["rate"] else []
+        if record["burst_factor"] is not None:
+            load.append(f"burst factor {given['burst_factor']:g} -> {record['burst_factor']:.3g}")
+        text += f"; {', '.join(load)} ({record['requests']} requests)"
+    else:
+        text += "; loaded trace replayed as it is (scale it with --upscale)"
+    return (text + f": planned peak KV demand {record['planned_ratio']:.2f}x the capacity "
+            f"(target {record['target']:g}x, at {record['planned_peak_at_s']:.1f} s)")
 
 
 # -- one replay ------------------------------------------------------------------------------------------------
@@ -203,6 +345,8 @@ def run_record(outcome: ReplayOutcome, *, policy: str, trace_source: dict, trace
                cluster: dict, reference_ttft_p50: float | None = None,
                reference_tpot_p50: float | None = None) -> dict:
     """The JSON document of one replay (also the input of the plots)."""
+    samples = [s.to_dict() for s in outcome.samples]
+    drops = _drops(outcome)
     return {
         "version": RESULT_VERSION,
         "policy": policy,
@@ -214,10 +358,11 @@ def run_record(outcome: ReplayOutcome, *, policy: str, trace_source: dict, trace
         "not_sent": outcome.not_sent,
         "summary": summarize(outcome.results, outcome.duration_s, reference_ttft_p50=reference_ttft_p50,
                              reference_tpot_p50=reference_tpot_p50),
-        "drops": _drops(outcome),
+        "drops": drops,
         "epoch_changes": _epoch_changes(outcome),
         "drop_periods": drop_periods(outcome.samples),
-        "samples": [s.to_dict() for s in outcome.samples],
+        "overload": observed_overload(samples, drops).to_dict(),
+        "samples": samples,
         "requests": [r.to_dict() for r in outcome.results],
     }
 
@@ -276,14 +421,18 @@ def _out_dir(args: argparse.Namespace, kind: str) -> Path:
 
 def cmd_run(args: argparse.Namespace) -> int:
     console = _console()
-    trace, source = build_trace(args)
     if args.endpoint:
+        if args.calibrate != "off":
+            raise BenchError("--calibrate needs a cluster's admin service (its KV capacity); not with --endpoint")
+        trace, source = build_trace(args)
         return _run_endpoint(args, console, trace, source)
-    address, admin, creds = _addresses(args)
+    address, admin, creds, cfg = _addresses(args)
     if admin and not asyncio.run(health_check(admin, timeout=2.0, tls=creds.tls)):
         console.print(f"[yellow]warning[/]: the admin service at {admin} does not answer: no KV usage / drop "
                       "sampling (give --admin HOST:PORT, or --admin '' to silence this)")
         admin = None
+    trace, source, _ = plan_trace(args, console, address=address, admin=admin, creds=creds, cfg=cfg, workers=None,
+                                  where=f"the cluster at {address}")
     out = _out_dir(args, "run")
     label = args.policy or "cluster"
     console.print(f"Replaying {len(trace)} requests over {trace[-1].arrival_s:.1f} s against {address} "
@@ -317,7 +466,7 @@ def _finish_run(console, out: Path, outcome: ReplayOutcome, label: str, source: 
     doc = run_record(outcome, policy=label, trace_source=source, trace=trace, cluster=target)
     _write_json(out / "result.json", doc)
     plots = plot_run(doc, out)
-    render_table(console, {label: doc})
+    render_table(console, {label: [doc]})
     console.print(f"wrote {out / 'result.json'}, " + ", ".join(str(p) for p in plots))
     if outcome.interrupted:
         console.print(f"[yellow]interrupted[/]: {len(outcome.results)} requests measured, {outcome.not_sent} not sent")
@@ -325,8 +474,8 @@ def _finish_run(console, out: Path, outcome: ReplayOutcome, label: str, source: 
     return 0
 
 
-def _addresses(args: argparse.Namespace) -> tuple[str, str | None, client.Credentials]:
-    """The dispatcher and admin addresses, and the credentials the config (or the defaults) point to."""
+def _addresses(args: argparse.Namespace) -> tuple[str, str | None, client.Credentials, ClusterConfig]:
+    """The dispatcher and admin addresses, the credentials the config (or the defaults) point to, the config."""
     try:
         cfg = load_config(args.config)
         creds = client.credentials_from(cfg)
@@ -334,17 +483,22 @@ def _addresses(args: argparse.Namespace) -> tuple[str, str | None, client.Creden
         raise BenchError(f"config error: {exc}") from None
     address = args.address or cfg.dispatcher.address
     admin = args.admin if args.admin is not None else cfg.memory_manager.address
-    return address, (admin or None), creds
+    return address, (admin or None), creds, cfg
 
 
 # -- compare ---------------------------------------------------------------------------------------------------
+def known_rows() -> tuple[str, ...]:
+    """What --policies accepts: the overload policies and the kunserve ablation variants."""
+    return (*OVERLOAD_POLICIES, *POLICY_VARIANTS)
+
+
 def parse_policies(text: str) -> list[str]:
     policies = [p.strip() for p in text.split(",") if p.strip()]
     if not policies:
         raise BenchError("--policies is empty")
-    unknown = [p for p in policies if p not in OVERLOAD_POLICIES]
+    unknown = [p for p in policies if p not in known_rows()]
     if unknown:
-        raise BenchError(f"unknown policy {unknown[0]!r} (known: {', '.join(OVERLOAD_POLICIES)})")
+        raise BenchError(f"unknown policy {unknown[0]!r} (known: {', '.join(known_rows())})")
     if len(set(policies)) != len(policies):
         raise BenchError("--policies names a policy twice")
     return policies
@@ -366,73 +520,150 @@ def check_externals(externals: Sequence[tuple[str, str]]) -> None:
     collide), not another external's."""
     names = [n for n, _ in externals]
     for name in names:
-        if name in OVERLOAD_POLICIES:
+        if name in known_rows():
             raise BenchError(f"--external {name}=...: {name!r} is an overload policy's name; pick another")
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise BenchError(f"--external names {dup!r} twice")
 
 
-def compare_config(args: argparse.Namespace, policy: str) -> ClusterConfig:
-    """The cluster every policy gets: the same config but for `policy.overload`."""
+def _load(args: argparse.Namespace) -> ClusterConfig:
     try:
-        cfg = load_config(args.config)
+        return load_config(args.config)
     except ConfigError as exc:
         raise BenchError(f"config error: {exc}") from None
+
+
+def compare_config(args: argparse.Namespace, row: str) -> ClusterConfig:
+    """The cluster every row gets: the same config but for `policy.overload` (and a variant's switches)."""
+    cfg = _load(args)
     with_workers(cfg, args.workers)
     assign_free_ports(cfg)
     if args.pool_mib:
         cfg.engine.pool_mib = args.pool_mib
     if args.threads is not None:
         cfg.engine.threads = args.threads
-    cfg.policy.overload = policy
+    if row in POLICY_VARIANTS:
+        try:
+            apply_variant(cfg, row)
+        except VariantUnavailable as exc:
+            raise BenchError(str(exc)) from None
+    else:
+        cfg.policy.overload = row
     cfg.monitor.auto_drop = True  # the monitor acts only for the policies that use it (kunserve, migrate)
     # Detection within ~0.2 s for every policy: stats reports and policy ticks at 0.1 s (what they cost on the
     # cluster is the same whichever policy runs; only kunserve and migrate act on them).
     cfg.monitor.stats_interval_s = min(cfg.monitor.stats_interval_s, 0.1)
     cfg.monitor.policy_interval_s = min(cfg.monitor.policy_interval_s, 0.1)
     cfg.dispatcher.route_timeout_s = max(cfg.dispatcher.route_timeout_s, args.request_timeout)
+    # Every request queues until it is served, as in the paper's runs: the dispatcher's admission control would
+    # refuse part of a burst (RESOURCE_EXHAUSTED) with bounds that follow each policy's own KV capacity and
+    # routable units, turning one policy's queueing latency into another's failures.
+    cfg.dispatcher.max_queued_prompt_tokens = UNBOUNDED
+    cfg.dispatcher.max_inflight_per_worker = UNBOUNDED
+    cfg.dispatcher.queue_timeout_s = max(cfg.dispatcher.queue_timeout_s, args.request_timeout)
     cfg.logging.format = "json"
     return cfg
 
 
-def compare_record(docs: dict[str, dict], policies: Sequence[str], externals: Sequence[str] = ()) -> dict:
-    """SLO references (the best row's p50, external servers included), ratios against kunserve (every other
-    row's TTFT p99 over kunserve's) and the issue's targets (for the policies that have one)."""
-    done = {p: [r for r in d["requests"] if r["ok"]] for p, d in docs.items()}  # as summarize counts them
+# Per-run metrics a comparison reports as median and range: name -> how to read it from a run's record.
+METRICS: dict[str, Callable[[dict], float | None]] = {
+    "ttft_p50_s": lambda d: d["summary"]["ttft"]["p50"],
+    "ttft_p99_s": lambda d: d["summary"]["ttft"]["p99"],
+    "ttft_p999_s": lambda d: d["summary"]["ttft"]["p999"],
+    "tpot_p50_s": lambda d: d["summary"]["tpot"]["p50"],
+    "tpot_p99_s": lambda d: d["summary"]["tpot"]["p99"],
+    "e2e_p99_s": lambda d: d["summary"]["e2e"]["p99"],
+    "slo_ttft_5x": lambda d: (d["summary"].get("slo", {}).get("ttft") or {}).get("5"),
+    "output_tokens_per_s": lambda d: d["summary"]["throughput"]["output_tokens_per_s"],
+    "completed": lambda d: d["summary"]["completed"],
+    "failed": lambda d: d["summary"]["failed"],
+    # without cluster samples (an external server) drops were not observed, not zero
+    "drops": lambda d: d["drops"] if d["samples"] else None,
+    "drop_seconds": lambda d: sum(e - b for b, e in d["drop_periods"]) if d["samples"] else None,
+    "epoch_changes": lambda d: d["epoch_changes"] if d["samples"] else None,
+    "peak_demand_ratio": lambda d: d["overload"]["peak_ratio"],
+    "max_kv_usage": lambda d: d["overload"]["max_kv_usage"],
+}
+
+
+def compare_record(runs: dict[str, list[dict]], rows: Sequence[str]) -> dict:
+    """The comparison of every row's runs: SLO references (the best row's p50 over its pooled runs, external
+    servers included; every run's summary is redone against them), each metric's median and range, whether the
+    trace overloaded anything (:func:`verdict`), and, when it did, ratios of the medians against kunserve (every
+    other row's TTFT p99 over kunserve's) and the issue's targets (for the policies that have one)."""
+    done = {p: [r for d in ds for r in d["requests"] if r["ok"]] for p, ds in runs.items()}  # as summarize counts
     ttft = {p: [r["ttft_s"] for r in rs if r.get("ttft_s") is not None] for p, rs in done.items()}
     tpot = {p: [r["tpot_s"] for r in rs if r.get("tpot_s") is not None] for p, rs in done.items()}
     ref_ttft, ref_tpot = best_p50(ttft), best_p50(tpot)
-    summaries = {}
-    for p, d in docs.items():
-        results = [RequestResult.from_dict(r) for r in d["requests"]]
-        d["summary"] = summarize(results, d["summary"]["duration_s"], reference_ttft_p50=ref_ttft,
-                                 reference_tpot_p50=ref_tpot)
-        summaries[p] = d["summary"]
-    ratios: dict[str, float | None] = {}
-    checks: dict[str, bool | None] = {}
-    k = summaries.get("kunserve")
-    if k is not None:
-        k_p99 = k["ttft"]["p99"]
-        for other, target in (("recompute", 10.0), ("swap", 10.0), ("migrate", 5.0), ("static-pp", None),
-                              ("queue", None), *((name, None) for name in externals)):
-            o = summaries.get(other)
-            if o is None or k_p99 is None or o["ttft"]["p99"] is None:
+    for ds in runs.values():
+        for d in ds:
+            results = [RequestResult.from_dict(r) for r in d["requests"]]
+            d["summary"] = summarize(results, d["summary"]["duration_s"], reference_ttft_p50=ref_ttft,
+                                     reference_tpot_p50=ref_tpot)
+    medians = {p: {name: spread([read(d) for d in ds]) for name, read in METRICS.items()} for p, ds in runs.items()}
+    overload = verdict({p: [d["overload"]["overloaded"] for d in ds] for p, ds in runs.items()})
+    ratios: dict[str, float] = {}
+    checks: dict[str, bool] = {}
+    k = medians.get("kunserve")
+    if k is not None and overload["verdict"] != NEVER_OVERLOADED:
+        k_p99 = k["ttft_p99_s"]["median"]
+        for other in (o for o in runs if o != "kunserve"):
+            target = TARGETS.get(f"ttft_p99_vs_{other}")
+            o_p99 = medians[other]["ttft_p99_s"]["median"]
+            if k_p99 is None or o_p99 is None:
                 continue
-            ratio = o["ttft"]["p99"] / k_p99
+            ratio = o_p99 / k_p99
             ratios[f"ttft_p99_{other}_over_kunserve"] = ratio
             if target is not None:
                 checks[f"ttft_p99_vs_{other}>={target:g}x"] = ratio >= target
-        base = summaries.get("recompute")
-        if base is not None and base["tpot"]["p50"] and k["tpot"]["p50"] is not None:
-            penalty = k["tpot"]["p50"] / base["tpot"]["p50"] - 1
+        base_tpot = medians["recompute"]["tpot_p50_s"]["median"] if "recompute" in medians else None
+        if base_tpot and k["tpot_p50_s"]["median"] is not None:
+            penalty = k["tpot_p50_s"]["median"] / base_tpot - 1
             ratios["tpot_p50_penalty_vs_recompute"] = penalty
-            checks["tpot_p50_penalty<=25%"] = penalty <= 0.25
-    return {"version": RESULT_VERSION, "policies": list(policies), "reference_p50": {"ttft_s": ref_ttft, "tpot_s": ref_tpot},
-            "summaries": summaries, "ratios": ratios, "targets": checks,
-            "drops": {p: d["drops"] for p, d in docs.items()},
-            "epoch_changes": {p: d["epoch_changes"] for p, d in docs.items()},
-            "drop_seconds": {p: sum(e - s for s, e in d["drop_periods"]) for p, d in docs.items()}}
+            checks[f"tpot_p50_penalty<={TARGETS['tpot_p50_penalty_max']:.0%}"] = penalty <= TARGETS["tpot_p50_penalty_max"]
+    return {"version": RESULT_VERSION, "policies": list(rows), "repeats": max((len(ds) for ds in runs.values()), default=0),
+            "reference_p50": {"ttft_s": ref_ttft, "tpot_s": ref_tpot},
+            "medians": medians, "ratios": ratios, "targets": checks, "overload": overload,
+            "runs": {p: [{"run": i + 1, "summary": d["summary"], "drops": d["drops"], "epoch_changes": d["epoch_changes"],
+                          "drop_seconds": sum(e - b for b, e in d["drop_periods"]), "overload": d["overload"]}
+                         for i, d in enumerate(ds)] for p, ds in runs.items()}}
+
+
+def representative(docs: Sequence[dict]) -> dict:
+    """The run whose TTFT p99 is the median of its row's (the one the comparison figure draws)."""
+    ranked = sorted(docs, key=lambda d: (d["summary"]["ttft"]["p99"] is None, d["summary"]["ttft"]["p99"] or 0.0))
+    return ranked[(len(ranked) - 1) // 2]
+
+
+@dataclass
+class Row:
+    """One row of a comparison: a policy (a fresh local cluster per run) or an external server."""
+
+    name: str
+    endpoint: Endpoint | None = None
+
+
+def calibration_cluster(args: argparse.Namespace, console, out: Path) -> tuple[list[TraceRequest], dict, dict | None]:
+    """Plan the comparison's trace on a cluster of its own, started for that alone: whole instances (recompute,
+    the engine every whole-instance policy shares) and no automatic drop, so the probe measures an instance and
+    changes nothing, and every run then starts on a fresh cluster no probe has touched."""
+    cfg = compare_config(args, "recompute")
+    cfg.monitor.auto_drop = False
+    run_dir = out / "calibration" / "cluster"
+    cluster = LocalCluster(cfg, run_dir=run_dir)
+    console.print(f"[bold]calibration[/]: starting a cluster to measure (logs: {run_dir})")
+    try:
+        cluster.start(timeout_s=args.start_timeout)
+    except ClusterStartError as exc:
+        raise BenchError(f"calibration: cluster failed to start: {exc}") from None
+    try:
+        time.sleep(args.settle)
+        return plan_trace(args, console, address=cfg.dispatcher.address, admin=cfg.memory_manager.address,
+                          creds=client.credentials_from(cluster.cfg, environ={}), cfg=cfg, workers=args.workers,
+                          where="it")
+    finally:
+        cluster.stop()
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -442,83 +673,104 @@ def cmd_compare(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policies)
     if args.workers < 2:
         raise BenchError("--workers must be >= 2 (a drop merges instances; static-pp pairs them)")
+    if args.repeats < 1:
+        raise BenchError("--repeats must be >= 1")
     check_externals(args.external)
-    trace, source = build_trace(args)
+    for policy in policies:
+        compare_config(args, policy)  # a bad config or a variant this build cannot run fails before anything starts
+    build_trace(args, save=False)
     # Asked before the first cluster starts: a wrong URL fails in a second, not after every policy has run.
     api_key = args.external_api_key or os.environ.get(API_KEY_ENV) or None
     endpoints = [probe_endpoint(name, url, None, api_key) for name, url in args.external]
+    rows = {p: Row(p) for p in policies} | {e.name: Row(e.name, e) for e in endpoints}
     out = _out_dir(args, "compare")
+    described = ", ".join([*policies, *(f"{e.name} ({e.url}, model {e.model})" for e in endpoints)])
+    console.print(f"[bold]kunserve bench compare[/] on {args.workers} workers, {args.repeats} run(s) per row, "
+                  f"rows: {described} -> {out}")
+    if args.calibrate == "off":
+        trace, source = build_trace(args)
+        calibration = None
+    else:
+        trace, source, calibration = calibration_cluster(args, console, out)
     d = describe(trace)
-    rows = ", ".join([*policies, *(f"{e.name} ({e.url}, model {e.model})" for e in endpoints)])
-    console.print(f"[bold]kunserve bench compare[/]: {len(trace)} requests over {d['duration_s']:.1f} s "
-                  f"(mean prompt {d['mean_prompt']:.0f}, output {d['mean_output']:.0f} tokens) on {args.workers} workers, "
-                  f"rows: {rows} -> {out}")
+    console.print(f"trace: {len(trace)} requests over {d['duration_s']:.1f} s (mean prompt {d['mean_prompt']:.0f}, "
+                  f"output {d['mean_output']:.0f} tokens)")
     stop_flag = _interrupt_flag()
-    docs: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {}
     interrupted = False
-    for policy in policies:
-        cfg = compare_config(args, policy)
-        run_dir = out / policy / "cluster"
-        cluster = LocalCluster(cfg, run_dir=run_dir)
-        console.print(f"[bold]{policy}[/]: starting a fresh cluster (logs: {run_dir})")
-        try:
-            cluster.start(timeout_s=args.start_timeout)
-        except ClusterStartError as exc:
-            raise BenchError(f"{policy}: cluster failed to start: {exc}") from None
-        except KeyboardInterrupt:
-            interrupted = True
-            break
-        if stop_flag[0]:  # Ctrl-C while it started
-            cluster.stop()
-            interrupted = True
-            break
-        try:
-            time.sleep(args.settle)  # the first stats reports reach the monitor; static-pp pairs form
-            outcome = replay_with_progress(trace, cfg.dispatcher.address, cfg.memory_manager.address, label=policy,
-                                           seed=args.seed, timeout_s=args.request_timeout, stop_flag=stop_flag,
-                                           creds=client.credentials_from(cluster.cfg, environ={}))
-        finally:
-            cluster.stop()
-        docs[policy] = run_record(outcome, policy=policy, trace_source=source, trace=trace,
-                                  cluster={"workers": args.workers, "pool_mib": cfg.engine.pool_mib,
-                                           "threads": cfg.engine.threads, "block_size": cfg.engine.block_size,
-                                           "model": cfg.model.path or "embedded tiny model"})
-        _write_json(out / policy / "result.json", docs[policy])
-        s = docs[policy]["summary"]
-        console.print(f"  {policy}: {s['completed']}/{s['requests']} completed, TTFT p99 {_ms(s['ttft']['p99'])} ms, "
-                      f"TPOT p50 {_ms(s['tpot']['p50'])} ms")
-        if outcome.interrupted:
-            interrupted = True
-            break
-    for endpoint in endpoints:
+    for round_rows in schedule(list(rows), args.repeats):
+        for name in round_rows:
+            row = rows[name]
+            k = len(runs.get(name, [])) + 1
+            run_dir = out / name / f"run-{k}"
+            if row.endpoint is not None:
+                console.print(f"[bold]{name}[/] run {k}: replaying against {row.endpoint.url} "
+                              f"(model {row.endpoint.model!r})")
+                outcome = endpoint_with_progress(trace, row.endpoint, seed=args.seed, timeout_s=args.request_timeout,
+                                                 stop_flag=stop_flag)
+                doc = run_record(outcome, policy=name, trace_source=source, trace=trace,
+                                 cluster={**row.endpoint.describe(), "external": True})
+            else:
+                cfg = compare_config(args, name)
+                cluster = LocalCluster(cfg, run_dir=run_dir / "cluster")
+                console.print(f"[bold]{name}[/] run {k}: starting a fresh cluster (logs: {run_dir / 'cluster'})")
+                try:
+                    cluster.start(timeout_s=args.start_timeout)
+                except ClusterStartError as exc:
+                    raise BenchError(f"{name}: cluster failed to start: {exc}") from None
+                except KeyboardInterrupt:
+                    interrupted = True
+                    break
+                if stop_flag[0]:  # Ctrl-C while it started
+                    cluster.stop()
+                    interrupted = True
+                    break
+                try:
+                    time.sleep(args.settle)  # the first stats reports reach the monitor; static-pp pairs form
+                    outcome = replay_with_progress(trace, cfg.dispatcher.address, cfg.memory_manager.address,
+                                                   label=f"{name} {k}", seed=args.seed, timeout_s=args.request_timeout,
+                                                   stop_flag=stop_flag,
+                                                   creds=client.credentials_from(cluster.cfg, environ={}))
+                finally:
+                    cluster.stop()
+                doc = run_record(outcome, policy=name, trace_source=source, trace=trace,
+                                 cluster={"workers": args.workers, "pool_mib": cfg.engine.pool_mib,
+                                          "threads": cfg.engine.threads, "block_size": cfg.engine.block_size,
+                                          "model": cfg.model.path or "embedded tiny model",
+                                          "overload_policy": cfg.policy.overload,
+                                          **({"variant": POLICY_VARIANTS[name].describe()} if name in POLICY_VARIANTS
+                                             else {})})
+            doc["run"] = k
+            runs.setdefault(name, []).append(doc)
+            _write_json(run_dir / "result.json", doc)
+            s = doc["summary"]
+            console.print(f"  {name} run {k}: {s['completed']}/{s['requests']} completed, TTFT p99 "
+                          f"{_ms(s['ttft']['p99'])} ms, TPOT p50 {_ms(s['tpot']['p50'])} ms"
+                          + (f", drops {doc['drops']}" if doc["samples"] else ""))
+            if outcome.interrupted:
+                interrupted = True
+                break
         if interrupted:
             break
-        console.print(f"[bold]{endpoint.name}[/]: replaying against {endpoint.url} (model {endpoint.model!r})")
-        outcome = endpoint_with_progress(trace, endpoint, seed=args.seed, timeout_s=args.request_timeout,
-                                         stop_flag=stop_flag)
-        docs[endpoint.name] = run_record(outcome, policy=endpoint.name, trace_source=source, trace=trace,
-                                         cluster={**endpoint.describe(), "external": True})
-        _write_json(out / endpoint.name / "result.json", docs[endpoint.name])
-        s = docs[endpoint.name]["summary"]
-        console.print(f"  {endpoint.name}: {s['completed']}/{s['requests']} completed, TTFT p99 "
-                      f"{_ms(s['ttft']['p99'])} ms, TPOT p50 {_ms(s['tpot']['p50'])} ms")
-        interrupted = outcome.interrupted
-    if not docs:
+    if not runs:
         console.print("[yellow]interrupted before any policy ran[/]")
         return 130
-    ran_externals = [e.name for e in endpoints if e.name in docs]
-    comparison = compare_record(docs, list(docs), ran_externals)
-    comparison["external"] = {e.name: e.describe() for e in endpoints if e.name in docs}
-    for policy, doc in docs.items():  # rewritten with the common SLO references
-        _write_json(out / policy / "result.json", doc)
-        plot_run(doc, out / policy)
+    ordered = {name: runs[name] for name in rows if name in runs}
+    comparison = compare_record(ordered, list(ordered))
+    comparison["external"] = {e.name: e.describe() for e in endpoints if e.name in runs}
+    comparison["calibration"] = calibration
     comparison["interrupted"] = interrupted
-    comparison["trace"] = {"source": source, **d}
+    comparison["trace"] = {"source": source, **describe(trace)}
+    for name, docs in ordered.items():  # rewritten with the common SLO references
+        for doc in docs:
+            _write_json(out / name / f"run-{doc['run']}" / "result.json", doc)
+            plot_run(doc, out / name / f"run-{doc['run']}")
     _write_json(out / "compare.json", comparison)
-    slo = {p: s["slo"] for p, s in comparison["summaries"].items()}
-    png = plot_compare(docs, slo, out / "compare.png")
-    render_table(console, docs, comparison)
-    console.print(f"wrote {out / 'compare.json'}, {png}, per-row results under {out}/<policy or external name>/")
+    shown = {name: representative(docs) for name, docs in ordered.items()}
+    png = plot_compare(shown, {p: d["summary"]["slo"] for p, d in shown.items()}, out / "compare.png")
+    render_table(console, ordered, comparison)
+    console.print(f"wrote {out / 'compare.json'} (every run), {png} (each row's median run), per-run results under "
+                  f"{out}/<row>/run-<n>/")
     if interrupted:
         console.print("[yellow]interrupted[/]: the results above are partial")
         return 130
@@ -544,34 +796,91 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def render_table(console, docs: dict[str, dict], comparison: dict | None = None) -> None:
+def _cell(x: Spread, fmt: Callable[[float], str]) -> str:
+    """A table cell: the median, and under it the range when the runs differ."""
+    if x["median"] is None:
+        return "-"
+    text = fmt(x["median"])
+    lo, hi = x["min"], x["max"]
+    if x["n"] > 1 and lo is not None and hi is not None and lo != hi:
+        text += f"\n[dim]{fmt(lo)}-{fmt(hi)}[/]"
+    return text
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+# Table columns after policy / done/sent / failed: (header, metric, format).
+COLUMNS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
+    ("TTFT p50", "ttft_p50_s", _ms), ("TTFT p99", "ttft_p99_s", _ms), ("TTFT p99.9", "ttft_p999_s", _ms),
+    ("TPOT p50", "tpot_p50_s", _ms), ("TPOT p99", "tpot_p99_s", _ms), ("E2E p99", "e2e_p99_s", _ms),
+    ("SLO 5x TTFT", "slo_ttft_5x", lambda v: f"{100 * v:.0f}%"), ("tok/s", "output_tokens_per_s", lambda v: f"{v:.0f}"),
+    ("drops", "drops", lambda v: f"{v:g}"), ("drop s", "drop_seconds", lambda v: f"{v:.1f}"),
+    ("peak demand", "peak_demand_ratio", _ratio),
+)
+
+
+def render_table(console, runs: dict[str, list[dict]], comparison: dict | None = None) -> None:
+    """Each row's metrics: the median over its runs with the range under it (one run: its value)."""
+    from rich.panel import Panel
     from rich.table import Table
 
-    t = Table(title="kunserve bench" + (" compare" if comparison else ""), show_lines=False)
-    for col in ("policy", "done/sent", "failed", "TTFT p50", "TTFT p99", "TTFT p99.9", "TPOT p50", "TPOT p99",
-                "E2E p99", "SLO 5x TTFT", "tok/s", "drops", "drop s", "epoch ch."):
+    t = Table(title="kunserve bench" + (" compare" if comparison else ""), show_lines=bool(comparison))
+    for col in ("policy", "done/sent", "failed", *(c[0] for c in COLUMNS)):
         t.add_column(col, justify="left" if col == "policy" else "right")
-    for policy, doc in docs.items():
-        s = doc["summary"]
-        slo5 = (s.get("slo", {}).get("ttft") or {}).get("5")
-        # Without cluster samples (an external server, or no admin address) drops were not observed, not zero.
-        drops = ((str(doc["drops"]), f"{sum(e - b for b, e in doc['drop_periods']):.1f}", str(doc["epoch_changes"]))
-                 if doc["samples"] else ("-", "-", "-"))
-        t.add_row(policy, f"{s['completed']}/{s['requests']}", str(s["failed"]), _ms(s["ttft"]["p50"]),
-                  _ms(s["ttft"]["p99"]), _ms(s["ttft"]["p999"]), _ms(s["tpot"]["p50"]), _ms(s["tpot"]["p99"]),
-                  _ms(s["e2e"]["p99"]), "-" if slo5 is None else f"{100 * slo5:.0f}%",
-                  f"{s['throughput']['output_tokens_per_s']:.0f}", *drops)
+    for row, docs in runs.items():
+        m = {name: spread([read(d) for d in docs]) for name, read in METRICS.items()}
+        label = row if len(docs) == 1 else f"{row}\n[dim]{len(docs)} runs[/]"
+        t.add_row(label, f"{sum(d['summary']['completed'] for d in docs)}/{sum(d['summary']['requests'] for d in docs)}",
+                  str(sum(d["summary"]["failed"] for d in docs)), *(_cell(m[metric], fmt) for _, metric, fmt in COLUMNS))
     console.print(t)
-    console.print("latencies in ms; SLO 5x TTFT = share of requests whose TTFT <= 5 x the best policy's p50")
-    if comparison and comparison["ratios"]:
-        for name, value in comparison["ratios"].items():
-            pretty = f"{100 * value:+.0f}%" if "penalty" in name else f"{value:.1f}x"
-            console.print(f"  {name}: {pretty}")
-        for name, ok in comparison["targets"].items():
-            console.print(f"  target {name}: {'[green]met[/]' if ok else '[red]missed[/]'}")
+    console.print("latencies in ms (median over runs, range below); SLO 5x TTFT = share of requests whose TTFT <= 5 x the "
+                  "best row's p50; peak demand = max of (KV in use + prompts waiting at the workers) / the undropped "
+                  "KV capacity, as sampled")
+    if comparison is None:
+        return
+    cal = comparison.get("calibration")
+    if cal is not None:
+        console.print(f"planned peak KV demand: {cal['planned_ratio']:.2f}x the undropped capacity of "
+                      f"{cal['capacity']['tokens']:,} tokens (target {cal['target']:g}x)")
+    overload = comparison["overload"]
+    if overload["verdict"] == NEVER_OVERLOADED:
+        console.print(Panel(f"[bold]{overload['banner']}[/]", border_style="red", title="[bold red]no overload[/]"))
+        return
+    if overload["verdict"] == OVERLOADED and overload["overloaded_runs"] < overload["observed_runs"]:
+        console.print(f"[yellow]overloaded in {overload['overloaded_runs']} of {overload['observed_runs']} observed runs "
+                      f"(rows: {', '.join(overload['overloaded_rows'])})[/]")
+    for name, value in comparison["ratios"].items():
+        pretty = f"{100 * value:+.0f}%" if "penalty" in name else f"{value:.1f}x"
+        console.print(f"  {name}: {pretty} (medians)")
+    for name, ok in comparison["targets"].items():
+        console.print(f"  target {name}: {'[green]met[/]' if ok else '[red]missed[/]'}")
 
 
 # -- parser ------------------------------------------------------------------------------------------------------
+def _overload(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"--overload takes a multiple of the KV capacity > 0 (e.g. 1.5), got {text!r}")
+    return value
+
+
+def _add_calibration_args(p: argparse.ArgumentParser, default: str) -> None:
+    g = p.add_argument_group("calibration", "size the generated trace to the cluster's speed and KV capacity")
+    g.add_argument("--calibrate", choices=("auto", "probe", "profile", "off"), default=default,
+                   help="how to measure the instance's prefill / decode speed: the cost-model profile of "
+                        "engine.profile when it matches (profile), a few requests (probe), the profile else the probe "
+                        f"(auto), or not at all: the trace as given (off). Default {default}")
+    g.add_argument("--overload", type=_overload, default=DEFAULT_OVERLOAD,
+                   help="peak KV demand of the calibrated trace, as a multiple of the cluster's undropped KV capacity "
+                        f"(default {DEFAULT_OVERLOAD:g}: beyond what the instances hold, within what a drop frees); "
+                        "the base rate and the --burst factor are chosen for it, the burst window stays")
+
+
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("trace", "a trace file (--trace) or the built-in generator (Gamma arrivals)")
     g.add_argument("--trace", help="a BurstGPT CSV (Timestamp,Model,Request tokens,Response tokens,Total tokens,Log "
@@ -612,6 +921,7 @@ def add_bench_parser(sub) -> None:
     run.add_argument("--address", help="dispatcher host:port (default: from the config)")
     run.add_argument("--admin", help="memory manager (admin) host:port for KV usage / drop sampling; '' = none")
     run.add_argument("--policy", help="label for the results (default: 'cluster', or 'endpoint' with --endpoint)")
+    _add_calibration_args(run, "off")
     http = run.add_argument_group("OpenAI-compatible server", "replay over HTTP instead of the cluster's gRPC API")
     http.add_argument("--endpoint", metavar="URL",
                       help="base URL of an OpenAI API, e.g. http://127.0.0.1:8000/v1 (KunServe's front, vLLM, ...): "
@@ -622,7 +932,12 @@ def add_bench_parser(sub) -> None:
     cmp_ = bsub.add_parser("compare", help="run one trace through every overload policy, a fresh local cluster each")
     _add_trace_args(cmp_)
     cmp_.add_argument("--policies", default=",".join(OVERLOAD_POLICIES),
-                      help=f"comma-separated, from: {', '.join(OVERLOAD_POLICIES)} (default: all)")
+                      help=f"comma-separated, from: {', '.join(OVERLOAD_POLICIES)} (default: all), and the ablation "
+                           f"variants {', '.join(POLICY_VARIANTS)}")
+    cmp_.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                      help=f"runs per row, interleaved round by round with the row order rotated; the table shows the "
+                           f"median and the range (default {DEFAULT_REPEATS})")
+    _add_calibration_args(cmp_, "auto")
     cmp_.add_argument("--workers", type=int, default=2, help="workers per cluster (default 2)")
     cmp_.add_argument("--pool-mib", type=int, default=COMPARE_POOL_MIB,
                       help=f"memory pool per worker (default {COMPARE_POOL_MIB}: ~2k tokens of KV per whole instance "
@@ -651,7 +966,7 @@ def _guarded(fn):
     def run(args: argparse.Namespace) -> None:
         try:
             code = fn(args)
-        except (BenchError, TraceError, ClusterUnreachable, EndpointError) as exc:
+        except (BenchError, TraceError, ClusterUnreachable, EndpointError, ProbeError) as exc:
             print(f"kunserve: {exc}", file=sys.stderr)
             raise SystemExit(1) from None
         except OSError as exc:

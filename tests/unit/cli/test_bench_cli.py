@@ -95,23 +95,26 @@ def _result(i: int, sent: float, ttft: float, tpot: float, n: int = 4, ok: bool 
                          error="" if ok else "UNAVAILABLE: gone", worker_id="worker-0", finish_reason="length")
 
 
-def _doc(policy: str, ttfts: list[float], tpot: float, failed: int = 0) -> dict:
+def _doc(policy: str, ttfts: list[float], tpot: float, failed: int = 0, *, drop: bool = True, usage: int = 50) -> dict:
+    """A run record: `drop` puts one drop (two epoch changes, 2 s of drop state) in its samples; `usage` is the KV
+    blocks in use out of 100 (undropped capacity 100 too)."""
     from kunserve.benchkit.replay import ReplayOutcome
 
     results = [_result(i, float(i), t, tpot) for i, t in enumerate(ttfts)]
     results += [_result(len(ttfts) + j, 0.5, 0, 0, ok=False) for j in range(failed)]
-    samples = [ClusterSample(t_s=t, kv_blocks_used=50, kv_blocks_total=100, queued_demand_blocks=0, units=2 - (1 <= t < 3),
-                             pipelined_units=int(1 <= t < 3), epoch=1 + int(t >= 1) + int(t >= 3)) for t in range(5)]
+    samples = [ClusterSample(t_s=t, kv_blocks_used=usage, kv_blocks_total=100, queued_demand_blocks=0,
+                             units=2 - (drop and 1 <= t < 3), pipelined_units=int(drop and 1 <= t < 3),
+                             epoch=1 + drop * (int(t >= 1) + int(t >= 3)), kv_blocks_undropped=100) for t in range(5)]
     trace = [TraceRequest(float(i), 10, 4) for i in range(len(results))]
     return bench.run_record(ReplayOutcome(results, 10.0, samples), policy=policy, trace_source={"kind": "test"},
                             trace=trace, cluster={})
 
 
 def test_compare_record_ratios_and_common_slo_reference():
-    docs = {"kunserve": _doc("kunserve", [0.1] * 99 + [0.2], 0.012),
-            "recompute": _doc("recompute", [0.05] * 90 + [3.0] * 10, 0.010, failed=1),
-            "migrate": _doc("migrate", [0.08] * 99 + [0.9], 0.011)}
-    rec = bench.compare_record(docs, list(docs))
+    runs = {"kunserve": [_doc("kunserve", [0.1] * 99 + [0.2], 0.012)],
+            "recompute": [_doc("recompute", [0.05] * 90 + [3.0] * 10, 0.010, failed=1)],
+            "migrate": [_doc("migrate", [0.08] * 99 + [0.9], 0.011)]}
+    rec = bench.compare_record(runs, list(runs))
     assert rec["reference_p50"]["ttft_s"] == pytest.approx(0.05)  # the best policy's p50
     assert rec["ratios"]["ttft_p99_recompute_over_kunserve"] == pytest.approx(3.0 / 0.101, rel=1e-3)  # p99 of 99 x 0.1 + 0.2 is 0.101
     assert rec["targets"]["ttft_p99_vs_recompute>=10x"] is True
@@ -120,10 +123,50 @@ def test_compare_record_ratios_and_common_slo_reference():
     assert rec["targets"]["tpot_p50_penalty<=25%"] is True
     assert "ttft_p99_vs_swap>=10x" not in rec["targets"]  # swap did not run
     # SLO at scale 1 of the common reference (0.05 s): kunserve meets none, recompute 90 of its 101 requests
-    assert rec["summaries"]["kunserve"]["slo"]["ttft"]["1"] == 0.0
-    assert rec["summaries"]["recompute"]["slo"]["ttft"]["1"] == pytest.approx(90 / 101)
-    assert rec["drops"]["kunserve"] == 1 and rec["epoch_changes"]["kunserve"] == 2 and rec["drop_seconds"]["kunserve"] == pytest.approx(2.0)
+    k, r = rec["runs"]["kunserve"][0], rec["runs"]["recompute"][0]
+    assert k["summary"]["slo"]["ttft"]["1"] == 0.0
+    assert r["summary"]["slo"]["ttft"]["1"] == pytest.approx(90 / 101)
+    assert k["drops"] == 1 and k["epoch_changes"] == 2 and k["drop_seconds"] == pytest.approx(2.0)
+    assert rec["medians"]["kunserve"]["drops"] == {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}
+    assert rec["overload"]["verdict"] == "overloaded" and rec["repeats"] == 1
     json.dumps(rec)
+
+
+def test_repeats_give_median_and_range_and_ratios_of_medians():
+    # three runs per row: kunserve's TTFT p99 is 0.1, 0.2 or 0.4 s, recompute's 2, 3 or 9 s
+    runs = {"kunserve": [_doc("kunserve", [t] * 10, 0.01) for t in (0.4, 0.1, 0.2)],
+            "recompute": [_doc("recompute", [t] * 10, 0.01) for t in (3.0, 9.0, 2.0)]}
+    rec = bench.compare_record(runs, list(runs))
+    assert rec["repeats"] == 3 and [r["run"] for r in rec["runs"]["recompute"]] == [1, 2, 3]
+    assert rec["medians"]["kunserve"]["ttft_p99_s"] == pytest.approx({"median": 0.2, "min": 0.1, "max": 0.4, "n": 3})
+    assert rec["medians"]["recompute"]["ttft_p99_s"]["median"] == pytest.approx(3.0)
+    assert rec["ratios"]["ttft_p99_recompute_over_kunserve"] == pytest.approx(15.0)  # median over median
+    assert bench.representative(runs["recompute"]) is runs["recompute"][0]  # the run with the median p99 (3 s)
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    bench.render_table(console, runs, rec)
+    text = console.export_text()
+    assert "3 runs" in text and "100-400" in text and "2000-9000" in text  # range under the median, in ms
+    assert "ttft_p99_recompute_over_kunserve: 15.0x (medians)" in text
+
+
+def test_a_trace_that_never_overloaded_says_so_instead_of_ratios():
+    runs = {"kunserve": [_doc("kunserve", [0.1] * 10, 0.01, drop=False, usage=40)],
+            "recompute": [_doc("recompute", [2.0] * 10, 0.01, drop=False, usage=85)]}
+    rec = bench.compare_record(runs, list(runs))
+    assert rec["overload"]["verdict"] == "never_overloaded" and "NEVER OVERLOADED" in rec["overload"]["banner"]
+    assert rec["ratios"] == {} and rec["targets"] == {}
+    assert rec["medians"]["recompute"]["max_kv_usage"]["median"] == pytest.approx(0.85)
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    bench.render_table(console, runs, rec)
+    text = console.export_text()
+    assert "NEVER OVERLOADED" in text and "over_kunserve" not in text and "target" not in text
+    # near-full KV usage under a baseline is an overload, even without a drop
+    runs["recompute"] = [_doc("recompute", [2.0] * 10, 0.01, drop=False, usage=95)]
+    assert bench.compare_record(runs, list(runs))["overload"]["verdict"] == "overloaded"
 
 
 def test_drop_periods_from_samples():
@@ -157,9 +200,9 @@ def test_prompts_are_seeded_and_in_range():
 
 def test_plots_are_written(tmp_path):
     docs = {"kunserve": _doc("kunserve", [0.1, 0.2, 0.15], 0.01), "recompute": _doc("recompute", [0.1, 2.0], 0.01, 1)}
-    rec = bench.compare_record(docs, list(docs))
+    bench.compare_record({p: [d] for p, d in docs.items()}, list(docs))
     paths = plot_run(docs["kunserve"], tmp_path / "run")
-    paths.append(plot_compare(docs, {p: s["slo"] for p, s in rec["summaries"].items()}, tmp_path / "compare.png"))
+    paths.append(plot_compare(docs, {p: d["summary"]["slo"] for p, d in docs.items()}, tmp_path / "compare.png"))
     for p in paths:
         assert p.exists() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p
     # a run where every request failed still plots (nothing to scatter)
@@ -214,12 +257,16 @@ def test_run_endpoint_arguments():
 
 
 def test_compare_record_has_a_ratio_for_external_rows():
-    docs = {"kunserve": _doc("kunserve", [0.1] * 99 + [0.2], 0.012), "vllm": _doc("vllm", [0.05] * 90 + [2.0] * 10, 0.01)}
-    rec = bench.compare_record(docs, list(docs), ["vllm"])
+    runs = {"kunserve": [_doc("kunserve", [0.1] * 99 + [0.2], 0.012)],
+            "vllm": [_doc("vllm", [0.05] * 90 + [2.0] * 10, 0.01)]}
+    runs["vllm"][0]["samples"] = []  # an external server: no cluster samples
+    runs["vllm"][0]["overload"] = {"peak_ratio": None, "max_kv_usage": None, "drops": 0, "overloaded": None}
+    rec = bench.compare_record(runs, list(runs))
     assert rec["ratios"]["ttft_p99_vllm_over_kunserve"] == pytest.approx(2.0 / 0.101, rel=1e-3)
     assert rec["reference_p50"]["ttft_s"] == pytest.approx(0.05)  # the external row's p50 is the best
     assert not any("vllm" in t for t in rec["targets"])
-    assert "ttft_p99_vllm_over_kunserve" not in bench.compare_record(docs, list(docs))["ratios"]
+    assert rec["medians"]["vllm"]["drops"]["median"] is None  # not observed, not zero
+    assert rec["overload"]["observed_runs"] == 1  # kunserve's only
 
 
 def test_convert_trace(tmp_path):
@@ -263,3 +310,152 @@ def test_new_bad_input_is_one_line(tmp_path):
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("kunserve: ") and expected in lines[0], (argv, out.stderr)
     assert not (tmp_path / "o").exists()  # nothing ran: the compare failed before its first cluster
+
+
+# -- calibration, repeats, policy variants ---------------------------------------------------------------------
+def test_policy_variants_are_rows():
+    assert bench.parse_policies("kunserve,kunserve-no-restore") == ["kunserve", "kunserve-no-restore"]
+    args = parse("compare", "--policies", "kunserve-no-restore", "--request-timeout", "90")
+    cfg = bench.compare_config(args, "kunserve-no-restore")
+    assert cfg.policy.overload == "kunserve" and cfg.monitor.restore_hold_s == float("inf")
+    assert bench.compare_config(args, "recompute").monitor.restore_hold_s == 10.0
+    # every request queues in a comparison: no admission refusals sized by one policy's capacity
+    assert cfg.dispatcher.max_queued_prompt_tokens == cfg.dispatcher.max_inflight_per_worker == bench.UNBOUNDED
+    assert cfg.dispatcher.queue_timeout_s == 90.0
+    with pytest.raises(bench.BenchError, match="'kunserve-no-restore' is an overload policy's name"):
+        bench.check_externals([("kunserve-no-restore", "http://h")])
+
+
+def test_a_variant_without_its_switch_is_refused(monkeypatch):
+    from kunserve.benchkit.variants import Override, PolicyVariant
+
+    fake = PolicyVariant("kunserve-no-magic", "kunserve", (Override("engine", "magic", False),), "the magic")
+    monkeypatch.setitem(bench.POLICY_VARIANTS, fake.name, fake)
+    assert bench.parse_policies("kunserve-no-magic") == ["kunserve-no-magic"]
+    with pytest.raises(bench.BenchError, match=r"kunserve-no-magic needs the config switch engine\.magic.*refusing to "
+                                                r"run it as plain kunserve"):
+        bench.compare_config(parse("compare"), "kunserve-no-magic")
+
+
+def _fake_cluster(monkeypatch, capacity_tokens: int = 4096, speeds=None):
+    from kunserve.benchkit.calibrate import Speeds
+    from kunserve.benchkit.probe import Capacity
+
+    asked = {}
+
+    async def capacity(admin, creds, *, workers):
+        asked["workers"] = workers
+        return Capacity(tokens=capacity_tokens, workers=2, block_size=16)
+
+    async def probe(address, creds, *, prompt_tokens, concurrency, workers, seed, decode_tokens):
+        asked.update(prompt_tokens=prompt_tokens, concurrency=concurrency)
+        return speeds or Speeds(prefill_tokens_per_s=5000.0, tpot_s=0.012, concurrency=concurrency, source="probe")
+
+    monkeypatch.setattr(bench, "cluster_capacity", capacity)
+    monkeypatch.setattr(bench, "probe_speeds", probe)
+    return asked
+
+
+def test_calibration_sizes_the_burst_to_the_capacity(monkeypatch, tmp_path):
+    from rich.console import Console
+
+    from kunserve.benchkit.calibrate import Speeds, peak_kv_demand
+
+    asked = _fake_cluster(monkeypatch)
+    args = parse("compare", "--duration", "20", "--burst", "5:10:6", "--overload", "1.5",
+                 "--save-trace", str(tmp_path / "t.csv"))
+    cfg = bench.compare_config(args, "kunserve")
+    console = Console(record=True, width=300)
+    trace, source, record = bench.plan_trace(args, console, address="a", admin="m", creds=None, cfg=cfg, workers=2,
+                                             where="test")
+    speeds = Speeds(**record["speeds"])
+    assert record["calibrated"] and source["calibration"] is record and asked["workers"] == 2
+    # the probe's prompt is the trace's mean; its concurrency what an instance holds (2048 tokens / footprint),
+    # short of overloading it with the probe's own requests
+    uncalibrated, _ = bench.build_trace(args, save=False)
+    d = bench.describe(uncalibrated)
+    assert asked["prompt_tokens"] == round(d["mean_prompt"])
+    assert asked["concurrency"] == min(round(2048 / (d["mean_prompt"] + d["mean_output"] / 2)),
+                                       int(0.75 * 2048 / (asked["prompt_tokens"] + 32)))
+    assert peak_kv_demand(trace, speeds).tokens / 4096 == pytest.approx(record["planned_ratio"])
+    assert record["planned_ratio"] == pytest.approx(1.5, rel=0.1)
+    assert record["base_ratio"] <= 0.5 and record["burst_factor"] > 1.0
+    assert source["burst"]["factor"] == record["burst_factor"] and source["burst"]["start_s"] == 5.0
+    saved, _ = bench.build_trace(parse("run", "--trace", str(tmp_path / "t.csv"), "--length-scale", "1"), save=False)
+    assert len(saved) == len(trace) == record["requests"]  # --save-trace wrote the calibrated trace
+    assert "planned peak KV demand 1.5" in console.export_text()
+    # a faster machine holds each request for less time: it gets a bigger burst for the same overload
+    _fake_cluster(monkeypatch, speeds=Speeds(50000.0, 0.003, 8, "probe"))
+    _, _, fast = bench.plan_trace(args, Console(record=True), address="a", admin="m", creds=None, cfg=cfg, workers=2,
+                                  where="test")
+    assert fast["burst_factor"] > 2 * record["burst_factor"] and fast["planned_ratio"] == pytest.approx(1.5, rel=0.1)
+
+
+def test_calibration_of_a_loaded_trace_reports_its_plan_only(monkeypatch, tmp_path):
+    from rich.console import Console
+
+    _fake_cluster(monkeypatch, capacity_tokens=100)
+    save_trace_csv([TraceRequest(0.0, 60, 10), TraceRequest(0.001, 60, 10)], tmp_path / "t.csv")
+    args = parse("compare", "--trace", str(tmp_path / "t.csv"), "--length-scale", "1")
+    trace, _, record = bench.plan_trace(args, Console(record=True), address="a", admin="m", creds=None,
+                                        cfg=bench.compare_config(args, "kunserve"), workers=2, where="test")
+    assert len(trace) == 2 and not record["calibrated"] and record["planned_ratio"] == pytest.approx(1.4, rel=0.05)
+    off = parse("compare", "--calibrate", "off")
+    assert bench.plan_trace(off, Console(record=True), address="a", admin=None, creds=None,
+                            cfg=bench.compare_config(off, "kunserve"), workers=2, where="test")[2] is None
+    with pytest.raises(bench.BenchError, match="calibration needs the admin service"):
+        bench.plan_trace(parse("run", "--calibrate", "probe"), Console(), address="a", admin=None, creds=None,
+                         cfg=bench.compare_config(off, "kunserve"), workers=None, where="test")
+
+
+def test_calibration_that_cannot_reach_its_target_is_one_error(monkeypatch):
+    from rich.console import Console
+
+    _fake_cluster(monkeypatch, capacity_tokens=10**9)
+    args = parse("compare", "--duration", "5", "--burst", "1:2:6")
+    with pytest.raises(bench.BenchError, match="calibration: even a 1000x burst"):
+        bench.plan_trace(args, Console(record=True), address="a", admin="m", creds=None,
+                         cfg=bench.compare_config(args, "kunserve"), workers=2, where="test")
+
+
+def test_calibration_from_a_matching_profile_needs_no_probe(monkeypatch, tmp_path):
+    from rich.console import Console
+
+    from kunserve.shared.model.weights import load_model_source
+    from kunserve.shared.policy.costmodel import ConServeLatencyModel, KunServeCostModel
+    from kunserve.shared.process import pick_device, thread_share
+    from kunserve.shared.profile_files import Profile, device_signature, write_profile
+
+    _fake_cluster(monkeypatch)
+
+    async def no_probe(*a, **k):
+        raise AssertionError("probed although a profile matches")
+
+    args = parse("compare", "--duration", "20", "--burst", "5:10:6", "--calibrate", "profile")
+    cfg = bench.compare_config(args, "kunserve")
+    with pytest.raises(bench.BenchError, match="--calibrate profile: no engine.profile"):
+        bench.plan_trace(args, Console(), address="a", admin="m", creds=None, cfg=cfg, workers=2, where="test")
+    source = load_model_source(None, dtype=cfg.model.dtype)
+    write_profile(tmp_path / "p.json", Profile(
+        model=source.name, dtype=source.config.dtype, layers=(0, source.config.num_layers),
+        device=device_signature(pick_device(cfg.model.device), thread_share(cfg)),
+        kunserve=KunServeCostModel(alpha=0.0, beta=2e-4, gamma=1e-3), conserve=ConServeLatencyModel(0, 0, 0, 0, 0),
+        fit={}, samples=[]))
+    cfg.engine.profile = str(tmp_path / "p.json")
+    monkeypatch.setattr(bench, "probe_speeds", no_probe)
+    _, _, record = bench.plan_trace(args, Console(record=True), address="a", admin="m", creds=None, cfg=cfg, workers=2,
+                                    where="test")
+    assert record["speeds"]["source"].startswith("profile ") and record["planned_ratio"] == pytest.approx(1.5, rel=0.1)
+
+
+def test_calibration_flags():
+    assert parse("compare").calibrate == "auto" and parse("run").calibrate == "off"
+    assert parse("compare").overload == 1.5 and parse("compare", "--overload", "2").overload == 2.0
+    assert parse("compare").repeats == 3
+    for bad in ("0", "-1", "x", "inf"):
+        with pytest.raises(SystemExit):
+            parse("compare", "--overload", bad)
+    out = kunserve("bench", "run", "--endpoint", "http://127.0.0.1:1/v1", "--calibrate", "probe", "--duration", "2")
+    assert out.returncode == 1 and "--calibrate needs a cluster's admin service" in out.stderr
+    out = kunserve("bench", "compare", "--repeats", "0")
+    assert out.returncode == 1 and "--repeats must be >= 1" in out.stderr
