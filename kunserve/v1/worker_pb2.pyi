@@ -100,7 +100,7 @@ class TransitionPrepared(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., seqs: _Optional[_Iterable[_Union[SeqState, _Mapping]]] = ..., kv_blocks_after: _Optional[int] = ..., kv_blocks_now: _Optional[int] = ...) -> None: ...
 
 class TransitionDone(_message.Message):
-    __slots__ = ("worker_id", "epoch", "layer_start", "layer_end", "kv_blocks", "bytes_sent", "bytes_received", "gather_seconds", "exchange_seconds", "remap_seconds", "scatter_seconds", "requests_owned")
+    __slots__ = ("worker_id", "epoch", "layer_start", "layer_end", "kv_blocks", "bytes_sent", "bytes_received", "gather_seconds", "exchange_seconds", "remap_seconds", "scatter_seconds", "requests_owned", "weight_bytes_sent", "weight_bytes_from_peers", "weight_bytes_from_host", "weight_bytes_from_checkpoint")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,10 @@ class TransitionDone(_message.Message):
     REMAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SCATTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_OWNED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FROM_PEERS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FROM_HOST_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FROM_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     layer_start: int
@@ -125,7 +129,11 @@ class TransitionDone(_message.Message):
     remap_seconds: float
     scatter_seconds: float
     requests_owned: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., gather_seconds: _Optional[float] = ..., exchange_seconds: _Optional[float] = ..., remap_seconds: _Optional[float] = ..., scatter_seconds: _Optional[float] = ..., requests_owned: _Optional[int] = ...) -> None: ...
+    weight_bytes_sent: int
+    weight_bytes_from_peers: int
+    weight_bytes_from_host: int
+    weight_bytes_from_checkpoint: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., gather_seconds: _Optional[float] = ..., exchange_seconds: _Optional[float] = ..., remap_seconds: _Optional[float] = ..., scatter_seconds: _Optional[float] = ..., requests_owned: _Optional[int] = ..., weight_bytes_sent: _Optional[int] = ..., weight_bytes_from_peers: _Optional[int] = ..., weight_bytes_from_host: _Optional[int] = ..., weight_bytes_from_checkpoint: _Optional[int] = ...) -> None: ...
 
 class DropLayersRequest(_message.Message):
     __slots__ = ("layers",)

@@ -2,7 +2,8 @@
 
 Nothing here depends on the shape of the old or the new unit: a whole instance joining a pair, a pair's
 member joining a quad (its range halves, the KV of the layers it gives up goes to their new holder) and a
-quad's member going back to a pair (its range grows from the host copy) all run the same steps below.
+quad's member going back to a pair (its range grows with layers a quad member sends it) all run the same
+steps below.
 
 Driven by the memory manager (services/memory_manager/orchestrator.py) in two steps over gRPC:
 
@@ -13,8 +14,9 @@ Driven by the memory manager (services/memory_manager/orchestrator.py) in two st
 2. **Execute** (the spec now carries every request's new unit and block table): the engine exports the KV
    blocks that move (``kv_exchange``: ``shared/policy/transition_plan.kv_flows`` says which go where), they
    travel to their new holders on the KV-exchange class of the transfer service, the pool remaps to the new
-   layer range (drop: weights' pages become KV; restore: KV pages go back to weights, refilled from the host
-   copy), the engine imports the local and the received blocks at their new ids and takes its role in the
+   layer range (drop: weights' pages become KV; restore: KV pages go back to weights, which the member of the
+   old unit holding those layers sends on the weights class, ``weight_exchange``; the host copy or the
+   checkpoint fills what no peer delivers), the engine imports the local and the received blocks at their new ids and takes its role in the
    new unit (``membership``); streams of requests that moved end with ``moved_to`` at the commit and the
    dispatcher re-attaches at the new head (``handover``).
 
@@ -45,7 +47,7 @@ from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.faults import fault_point
 from kunserve.shared.log import get_logger
 from kunserve.shared.policy.cluster import Unit
-from kunserve.shared.policy.transition_plan import SeqMove, TransitionError, kv_flows, unit_of
+from kunserve.shared.policy.transition_plan import SeqMove, TransitionError, kv_flows, unit_of, weight_pieces
 from kunserve.shared.streams import StreamRegistry
 from kunserve.shared.transfer.service import TransferService
 from kunserve.shared.wire.transitions import snapshot_from_pb, snapshot_to_pb, units_from_pb
@@ -57,6 +59,7 @@ from .kv_exchange import export_flow, import_flow, receive_flows, send_flows
 from .lease import MAX_LEASE_S, TransitionLease
 from .membership import GroupMembership
 from .peers import PeerLinks, PeerUnreachable
+from .weight_exchange import WeightReceiver, export_weights, send_weights
 
 
 class TransitionRefused(RuntimeError):
@@ -84,6 +87,8 @@ class TransitionStats:
     scatter_s: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    weight_bytes_sent: int = 0
+    weight_bytes: dict[str, int] = field(default_factory=dict)  # restored weights by source: peer / host / checkpoint
 
 
 class TransitionRunner:
@@ -297,34 +302,48 @@ class TransitionRunner:
         assert new_member is not None and self.loop is not None
         outgoing = {k: f for k, f in flows.items() if f.src == me}
         incoming = {k: f for k, f in flows.items() if f.dst == me and f.src != me}
+        pieces = weight_pieces(old_units, new_units)
+        weights_in = WeightReceiver.expecting(self.svc, self.instance, me, spec.epoch, pieces, old_units, new_units)
 
         # 1. copy out every block that moves or is renumbered, then forget the requests (their state is in
-        #    the spec) so the memory can be remapped
+        #    the spec) so the memory can be remapped; take the weights this worker sends its peers
         t0 = time.perf_counter()
 
-        def copy_out(engine: Engine) -> dict[str, Any]:
+        def copy_out(engine: Engine) -> tuple[dict[str, Any], list[tuple[str, str, Any]]]:
             messages = {dst: export_flow(engine, flow) for (_, dst), flow in outgoing.items()}
+            weights_out = export_weights(self.instance, me, pieces, old_units, new_units)
             engine.clear()
-            return messages
+            return messages, weights_out
 
-        messages = await self._on_engine(copy_out)
+        messages, weights_out = await self._on_engine(copy_out)
         stats.gather_s = time.perf_counter() - t0
 
-        # 2. send on the KV-exchange class (activations of other groups still overtake it between chunks)
+        # 2. send on the KV-exchange class (activations of other groups still overtake it between chunks), and
+        #    the weights the peers gain on the weights class below it
         t0 = time.perf_counter()
         handles, stats.bytes_sent = send_flows(self.svc, outgoing, messages, spec.epoch)
+        stats.weight_bytes_sent = send_weights(self.svc, weights_out, spec.epoch)
+        del weights_out
 
         fault_point("die_in_exchange", me)
 
-        # 3. remap to the new layer range (overlaps the sends on the wire)
+        # 3. remap to the new layer range (overlaps the sends on the wire); the layers gained stay unfilled
+        #    until their weights land (or the fallback fills them)
         t1 = time.perf_counter()
-        await self._on_engine(lambda engine: self.instance.to_range(*new_member.range))
+        await self._on_engine(lambda engine: self.instance.to_range(*new_member.range, fill=False))
         stats.remap_s = time.perf_counter() - t1
 
-        # 4. receive what comes here
-        received, stats.bytes_received = await receive_flows(self.svc, incoming, me, spec.epoch, self.timeout_s)
-        for h in handles:
-            await h.wait(self.timeout_s)
+        # 4. receive what comes here: KV, then the weights, straight into the restored arenas
+        weights_in.install()
+        try:
+            received, stats.bytes_received = await receive_flows(self.svc, incoming, me, spec.epoch, self.timeout_s)
+            for h in handles:
+                await h.wait(self.timeout_s)
+            await weights_in.receive(self.timeout_s)
+        finally:
+            weights_in.uninstall()
+            await self._on_engine(lambda engine: weights_in.finish())
+        stats.weight_bytes = dict(weights_in.bytes_by_source)
         stats.exchange_s = time.perf_counter() - t0
 
         # 5. write the blocks at their new ids, 6. take over the requests of the new unit
@@ -349,7 +368,8 @@ class TransitionRunner:
         self._switch_streams(p, old_owned, {s.request.request_id for s in mine}, spec, new_units)
         self.log.info("transition_done", epoch=spec.epoch, op=spec.op, unit=new_unit.unit_id,
                       layers=list(new_member.range), requests=len(mine), sent=stats.bytes_sent,
-                      received=stats.bytes_received, remap_ms=round(stats.remap_s * 1e3, 2))
+                      received=stats.bytes_received, remap_ms=round(stats.remap_s * 1e3, 2),
+                      weights_sent=stats.weight_bytes_sent, weights_by_source=stats.weight_bytes)
 
     def _switch_streams(self, p: _Prepared, old_owned: set[str], now_owned: set[str],
                         spec: worker_pb2.TransitionSpec, new_units: list[Unit]) -> None:
@@ -372,4 +392,7 @@ class TransitionRunner:
             worker_id=self.worker_id, epoch=epoch, layer_start=start, layer_end=end,
             kv_blocks=self.engine_loop.stats().kv_blocks_total, bytes_sent=stats.bytes_sent,
             bytes_received=stats.bytes_received, gather_seconds=stats.gather_s, exchange_seconds=stats.exchange_s,
-            remap_seconds=stats.remap_s, scatter_seconds=stats.scatter_s, requests_owned=owned)
+            remap_seconds=stats.remap_s, scatter_seconds=stats.scatter_s, requests_owned=owned,
+            weight_bytes_sent=stats.weight_bytes_sent, weight_bytes_from_peers=stats.weight_bytes.get("peer", 0),
+            weight_bytes_from_host=stats.weight_bytes.get("host", 0),
+            weight_bytes_from_checkpoint=stats.weight_bytes.get("checkpoint", 0))

@@ -4,7 +4,9 @@ Weights and KV cache share the pool's physical pages (KunServe §4.1): the engin
 of the pages (weights stored fused, no copies, no oneDNN pre-packing), and the KV cache is the pool
 layout itself. Dropping layers remaps their pages into the KV tails of the remaining layers;
 restoring takes them back (compacting live KV blocks first when they sit in the tail) and refills
-the weights from the DRAM host copy or the checkpoint.
+the weights: in a cluster transition from the peer that holds them (services/worker/weight_exchange.py
+receives straight into the restored arenas), otherwise, or when no peer can send them, from the DRAM
+host copy (``engine.host_copy``, optional) or the checkpoint.
 
 Every method must run on the engine thread (EngineLoop.call): nothing may compute while pages move.
 """
@@ -18,6 +20,7 @@ import torch
 
 from kunserve.shared.engine.api import SeqSnapshot
 from kunserve.shared.engine.engine import Engine
+from kunserve.shared.log import get_logger
 from kunserve.shared.memory import create_pool
 from kunserve.shared.memory.errors import KVCapacityError, MemoryPoolError
 from kunserve.shared.memory.layer_memory import RemapResult
@@ -94,7 +97,7 @@ class PooledInstance:
             result = self.layout.drop_layers(layers)
         finally:
             self.engine.sync_kv_capacity()
-            self._rebind_weights()
+            self.rebind_weights()
         return LayerChange(result)
 
     # -- layout transitions (cluster drop / restore) -------------------------------------------------------
@@ -102,9 +105,10 @@ class PooledInstance:
         """KV blocks this worker would have holding [start, end) (nothing changes)."""
         return self.layout._plan(start, end).num_blocks
 
-    def to_range(self, start: int, end: int, source: str = "host") -> list[LayerChange]:
+    def to_range(self, start: int, end: int, source: str = "host", *, fill: bool = True) -> list[LayerChange]:
         """Hold exactly [start, end): drop what lies outside, then restore what is missing (from the host
-        copy, else the checkpoint). The engine must hold no KV (a transition cleared it)."""
+        copy, else the checkpoint; with fill=False the restored arenas are left for the caller to fill:
+        ``arena_bytes`` / ``fill_weights``). The engine must hold no KV (a transition cleared it)."""
         if self.engine.allocator.num_used:
             raise InstanceBusy(f"{self.engine.allocator.num_used} KV blocks are in use; a transition clears them first")
         cur_start, cur_end = self.layer_range
@@ -116,11 +120,16 @@ class PooledInstance:
             changes.append(self.drop(out))
         missing = [x for x in range(start, end) if not cur_start <= x < cur_end]
         if missing:
-            if source == "host" and (self.host_copy is None or not (
-                    self._host_range[0] <= min(missing) and max(missing) < self._host_range[1])):
-                source = "checkpoint"
-            changes.append(self.restore(missing, source))
+            if source == "host":
+                source = self.fallback_source(missing)
+            changes.append(self.restore(missing, source, fill=fill))
         return changes
+
+    def fallback_source(self, layers: list[int]) -> str:
+        """Where layers no peer sends come from: the host copy when it holds them all, else the checkpoint."""
+        if self.host_copy is not None and self._host_range[0] <= min(layers) and max(layers) < self._host_range[1]:
+            return "host"
+        return "checkpoint"
 
     def heal(self, requests: list[SeqSnapshot] | None = None) -> None:
         """Back to a whole instance (the missing layers from the host copy, else the checkpoint) after a group
@@ -148,9 +157,11 @@ class PooledInstance:
         # tensor_shapes((lo, hi)) includes the embeddings / final norm / lm_head when the range touches an end
         return fused_source(self.source.load_weights((lo, hi)))
 
-    def restore(self, layers: list[int], source: str = "host") -> LayerChange:
+    def restore(self, layers: list[int], source: str = "host", *, fill: bool = True) -> LayerChange:
+        """Take the pages of `layers` back from the KV tails and fill their weights from `source` (fill=False:
+        the caller fills every new arena before the engine computes again)."""
         plan = self.layout.plan_restore(layers)  # validates the layer set first
-        weights = self.weight_source(layers, source)
+        weights = self.weight_source(layers, source) if fill else None
         used = self.engine.allocator.used_ids()
         if len(used) > plan.num_blocks:
             raise KVCapacityError(
@@ -166,11 +177,30 @@ class PooledInstance:
             result = self.layout.restore_layers(layers, weights, used_block_ids=self.engine.allocator.used_ids())
         finally:
             self.engine.sync_kv_capacity()
-            self._rebind_weights()
-        return LayerChange(result, len(moves), source)
+            self.rebind_weights()
+        if fill:
+            get_logger().info("weights_restored", layers=list(result.layers), source=source,
+                              bytes=self.layers_bytes(result.layers))
+        return LayerChange(result, len(moves), source if fill else "")
 
-    def _rebind_weights(self) -> None:
-        """The engine computes over what the worker now holds (views of the pages; after every remap)."""
+    def layers_bytes(self, layers: tuple[int, ...] | list[int]) -> int:
+        """Weight bytes of `layers` (their tensors, not the page padding)."""
+        return sum(s.nbytes for x in layers for s in self.layout._specs(x))
+
+    def fill_weights(self, keys: list[str], source: str, span: list[int]) -> int:
+        """Fill the arenas `keys` (as ``LayerMemoryLayout.restore_arenas`` names them for the layers `span`)
+        from the host copy or the checkpoint, after a restore with fill=False whose peer did not send them;
+        returns the bytes filled."""
+        layers = [int(k) for k in keys if not k.startswith("group:")]
+        groups = [k.removeprefix("group:") for k in keys if k.startswith("group:")]
+        # a piece's groups travel with its end layers, so the span's checkpoint range holds them too
+        self.layout.load_weights(self.weight_source(span, source), layers=layers, groups=groups)
+        self.rebind_weights()
+        return sum(self.layout.arena_nbytes(k) for k in keys)
+
+    def rebind_weights(self) -> None:
+        """The engine computes over what the worker now holds (views of the pages; after every remap and
+        every fill of restored arenas)."""
         self.engine.use_weights(self.layout.weights(), self.layer_range)
 
     def close(self) -> None:

@@ -447,6 +447,59 @@ class LayerMemoryLayout:
             views = None
             a.cache = None
 
+    def arena_bytes(self, key: str) -> torch.Tensor:
+        """A held arena's packed bytes as one flat uint8 view (key: a layer number, or "group:<name>").
+
+        Two layouts of the same model pack an arena identically, so these bytes are what a peer restoring the
+        arena needs, and what it receives straight into (``restore_layers`` with no weight source). The view
+        pins the arena's pages like any other: drop it before the arena's layer is dropped."""
+        return self.pool.view(self._arena(key).vr, 0, (self.arena_nbytes(key),), torch.uint8)
+
+    def arena_nbytes(self, key: str) -> int:
+        """The packed size of a held arena (what ``arena_bytes`` spans)."""
+        _, total = pack_tensors(self._arena(key).specs)
+        return total
+
+    def restore_arenas(self, held: tuple[int, int], target: tuple[int, int], piece: tuple[int, int]) -> list[str]:
+        """The arena keys a worker holding `held` and going to `target` gets with the layers `piece` (part of
+        what it gains): the piece's layers, plus the weight groups `target` needs and `held` lacks that travel
+        with the piece's ends, so that sender and receiver agree on them (first-layer groups with layer 0,
+        last-layer ones with the last layer; one needed with either end with layer 0 when it is gained)."""
+        last = self.num_layers_model - 1
+        lo, hi = piece
+        keys: list[str] = []
+        for g in self.groups.values():
+            if g.held_for(*held, self.num_layers_model) or not g.held_for(*target, self.num_layers_model):
+                continue
+            with_first = lo == 0 and g.held_for(0, 1, self.num_layers_model)
+            with_last = hi == last + 1 and g.held_for(last, last + 1, self.num_layers_model) and not (
+                target[0] == 0 and held[0] != 0 and g.held_with == "ends")
+            if with_first or with_last:
+                keys.append(f"group:{g.name}")
+        specs = [x for x in range(lo, hi) if sum(s.nbytes for s in self._specs(x)) > 0]
+        return keys + [str(x) for x in specs]
+
+    def fill_arena(self, key: str, data: torch.Tensor) -> None:
+        """Copy an arena's packed bytes (``arena_bytes`` of a peer's layout) into this one."""
+        view = self.arena_bytes(key)
+        try:
+            flat = data.reshape(-1).view(torch.uint8)
+            if flat.numel() != view.numel():
+                raise WeightSourceError(key, f"{flat.numel()} bytes received, the arena packs {view.numel()}")
+            with torch.no_grad():
+                view.copy_(flat)
+        finally:
+            del view
+
+    def _arena(self, key: str) -> _Arena:
+        if key.startswith("group:"):
+            a = self._group_arenas.get(key.removeprefix("group:"))
+        else:
+            a = self._weights.get(int(key)) if key.lstrip("-").isdigit() else None
+        if a is None:
+            raise KeyError(f"no weight arena {key!r} is held on layers [{self._start}, {self._end})")
+        return a
+
     def host_copy(self, layers: Iterable[int] | None = None, groups: bool = True) -> dict[str, torch.Tensor]:
         """CPU clones of held weights by name: a weight source for a later `restore_layers`."""
         out: dict[str, torch.Tensor] = {}
@@ -553,7 +606,7 @@ class LayerMemoryLayout:
                            self.pool.free_count, self.generation, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ restore
-    def restore_layers(self, layers: Iterable[int], weight_source: WeightSource, *,
+    def restore_layers(self, layers: Iterable[int], weight_source: WeightSource | None, *,
                        used_block_ids: Collection[int]) -> RemapResult:
         """Take pages back from the KV tails, re-create `layers`, fill their weights from `weight_source`.
 
@@ -562,7 +615,9 @@ class LayerMemoryLayout:
         every one must be below the new `num_blocks` (see `plan_restore`), else KVCapacityError
         (compact first, or free KV). The restored layers' KV starts empty; their weights (and weight groups that become
         needed) come from `weight_source` (name -> tensor, e.g. `host_copy()` or a checkpoint
-        reader). If filling fails, the restore is rolled back and the error re-raised.
+        reader). If filling fails, the restore is rolled back and the error re-raised. With no
+        `weight_source` the new arenas are left unfilled: the caller fills every one of them
+        (`fill_arena` with a peer's bytes, `load_weights`) before anything computes on them.
         """
         ls, new_start, new_end = self._restore_target(layers)
         plan = self._plan(new_start, new_end)
@@ -604,6 +659,9 @@ class LayerMemoryLayout:
         self._start, self._end = new_start, new_end
         self._after_remap()
         seconds = time.perf_counter() - t0
+        if weight_source is None:
+            return RemapResult("restore", tuple(ls), new_start, new_end, old_blocks, self.num_blocks, unmapped, mapped,
+                               self.pool.free_count, self.generation, seconds)
         try:
             fill = self.load_weights(weight_source, layers=ls, groups=new_groups)
         except BaseException:

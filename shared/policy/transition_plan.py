@@ -15,7 +15,9 @@ receiver knows exactly which messages to wait for and how to slice them.
 
 `assign_tables` gives every request its block table in its new unit (compact ids from 0, one block per old
 block), refusing a transition whose requests do not fit (nothing has changed then: the caller aborts).
-`assign_restore_targets` spreads a group's requests over the instances it splits into.
+`assign_restore_targets` spreads a group's requests over the instances it splits into. `weight_pieces` says
+who sends a worker each layer it holds after a transition but not before (§4.4: a restore pulls the missing
+layers from a peer of the old group, not from a DRAM copy of the model).
 """
 
 from __future__ import annotations
@@ -65,6 +67,16 @@ class Flow:
     def num_block_layers(self) -> int:
         """How many (layer, block) KV slabs travel: the message is that many blocks long."""
         return sum(p.num_layers * len(p.old_blocks) for p in self.parts)
+
+
+@dataclass(frozen=True)
+class WeightPiece:
+    """Layers [layer_start, layer_end) that `dst` gains in a transition, sent by `src`, which holds them before."""
+
+    src: str
+    dst: str
+    layer_start: int
+    layer_end: int
 
 
 def check_unit(unit: Unit, num_layers: int) -> None:
@@ -188,3 +200,29 @@ def kv_flows(old: Sequence[Unit], new: Sequence[Unit], moves: Sequence[SeqMove])
                 f = flows.setdefault((s.worker_id, d.worker_id), Flow(s.worker_id, d.worker_id))
                 f.parts.append(FlowPart(m.request_id, lo, hi, m.old_blocks, m.new_blocks))
     return flows
+
+
+def weight_pieces(old: Sequence[Unit], new: Sequence[Unit]) -> list[WeightPiece]:
+    """Every layer a worker holds in `new` but not in `old`, with the member of its old unit that holds it
+    (a unit tiles the model, so exactly one does, and it is never the worker itself). Consecutive layers from
+    one source form one piece; pieces ordered by destination, then layer. Sender and receiver compute the
+    same pieces from the same spec, so a receiver knows what to wait for and from whom."""
+    pieces: list[WeightPiece] = []
+    for unit in sorted(new, key=lambda u: u.unit_id):
+        for d in sorted(unit.members, key=lambda m: m.worker_id):
+            ou = _find(old, d.worker_id)
+            o = ou.member(d.worker_id)
+            assert o is not None
+            for layer in range(d.layer_start, d.layer_end):
+                if o.layer_start <= layer < o.layer_end:
+                    continue
+                src = next((m.worker_id for m in ou.members if m.layer_start <= layer < m.layer_end), None)
+                if src is None:
+                    raise TransitionError(f"worker {d.worker_id} gains layer {layer}, which no member of its old "
+                                          f"unit {ou.unit_id} holds")
+                last = pieces[-1] if pieces else None
+                if last is not None and last.dst == d.worker_id and last.src == src and last.layer_end == layer:
+                    pieces[-1] = WeightPiece(src, d.worker_id, last.layer_start, layer + 1)
+                else:
+                    pieces.append(WeightPiece(src, d.worker_id, layer, layer + 1))
+    return pieces

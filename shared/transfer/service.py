@@ -49,7 +49,7 @@ import torch
 from kunserve.shared.log import get_logger
 from kunserve.v1 import transfer_pb2
 
-from .chunk_scheduler import ChunkSizer, KiB, MiB, OutgoingMessage, PriorityScheduler
+from .chunk_scheduler import Chunk, ChunkSizer, KiB, MiB, OutgoingMessage, PriorityScheduler
 from .endpoint import Endpoint, Transport
 from .framing import (
     CONTROL,
@@ -507,39 +507,44 @@ class TransferService:
                     p.wake.clear()
                     await p.wake.wait()
                     continue
-                msg = chunk.message
-                template, handle = msg.meta
-                if chunk.index == 0:
-                    h = transfer_pb2.TransferHeader()
-                    h.CopyFrom(template)
-                else:
-                    h = transfer_pb2.TransferHeader(kind=cast("transfer_pb2.TransferKind", msg.kind), message_id=msg.message_id,
-                                                    total_bytes=msg.total_bytes)
-                h.chunk_index, h.chunk_count = chunk.index, chunk.count
-                h.offset, h.chunk_bytes = chunk.offset, chunk.nbytes
-                part = msg.payload[chunk.offset:chunk.offset + chunk.nbytes] if chunk.nbytes else None
-                inline = part is not None and chunk.nbytes <= self.config.inline_max_bytes and isinstance(part, np.ndarray)
-                frame = np.frombuffer(encode_frame(h, part if inline else None), np.uint8)
-                t0 = time.perf_counter()
-                try:
-                    async with asyncio.timeout(self.config.chunk_timeout_s):
-                        await p.endpoint.send(frame, TAG_HEADER)
-                        if part is not None and not inline:
-                            await p.endpoint.send(part, TAG_PAYLOAD)
-                except TimeoutError:
-                    raise TransferError(p.name, f"{kind_name(msg.kind)} chunk {chunk.index} of message "
-                                                f"{msg.message_id} not sent within {self.config.chunk_timeout_s} s") from None
-                finished = sched.complete(chunk, time.perf_counter() - t0)
-                p.bytes_sent += chunk.nbytes
-                self._trace("send", p.name, msg.kind, msg.message_id, chunk.index, chunk.nbytes, finished)
-                handle._chunk_done()
-                if finished:
-                    p.messages_sent += 1
-                    handle._finish()
+                await self._send_chunk(p, chunk)
+                del chunk  # a payload over pool pages (weights sent from a live arena) must not stay pinned here
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            self._fail_peer(p, exc, "send")
+            self._fail_peer(p, exc.with_traceback(None), "send")
+
+    async def _send_chunk(self, p: _Peer, chunk: Chunk) -> None:
+        sched = p.scheduler
+        msg = chunk.message
+        template, handle = msg.meta
+        if chunk.index == 0:
+            h = transfer_pb2.TransferHeader()
+            h.CopyFrom(template)
+        else:
+            h = transfer_pb2.TransferHeader(kind=cast("transfer_pb2.TransferKind", msg.kind), message_id=msg.message_id,
+                                            total_bytes=msg.total_bytes)
+        h.chunk_index, h.chunk_count = chunk.index, chunk.count
+        h.offset, h.chunk_bytes = chunk.offset, chunk.nbytes
+        part = msg.payload[chunk.offset:chunk.offset + chunk.nbytes] if chunk.nbytes else None
+        inline = part is not None and chunk.nbytes <= self.config.inline_max_bytes and isinstance(part, np.ndarray)
+        frame = np.frombuffer(encode_frame(h, part if inline else None), np.uint8)
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.config.chunk_timeout_s):
+                await p.endpoint.send(frame, TAG_HEADER)
+                if part is not None and not inline:
+                    await p.endpoint.send(part, TAG_PAYLOAD)
+        except TimeoutError:
+            raise TransferError(p.name, f"{kind_name(msg.kind)} chunk {chunk.index} of message "
+                                        f"{msg.message_id} not sent within {self.config.chunk_timeout_s} s") from None
+        finished = sched.complete(chunk, time.perf_counter() - t0)
+        p.bytes_sent += chunk.nbytes
+        self._trace("send", p.name, msg.kind, msg.message_id, chunk.index, chunk.nbytes, finished)
+        handle._chunk_done()
+        if finished:
+            p.messages_sent += 1
+            handle._finish()
 
     async def _recv_loop(self, p: _Peer, ep: Endpoint) -> None:
         buf = np.empty(FRAME_MAX, np.uint8)
@@ -561,11 +566,13 @@ class TransferService:
                     data = self._allocate(p.name, h)
                     state = _Inbound(h, data, byte_view(data))
                     inbound[h.message_id] = state
+                    del data
                 else:
                     known = inbound.get(h.message_id)
                     if known is None or h.kind != known.header.kind:
                         raise FramingError(f"chunk {h.chunk_index} of unknown message {h.message_id}")
                     state = known
+                    del known
                 total = state.header.total_bytes
                 validate_chunk(h, total, state.received)
                 if h.chunk_bytes == 0 and total > 0:
@@ -582,6 +589,7 @@ class TransferService:
                     del inbound[h.message_id]
                     p.messages_received += 1
                     self._deliver(Received(p.name, state.header, state.data))
+                del state  # a message received into pool pages (an allocator's view) must not stay pinned here
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -590,7 +598,7 @@ class TransferService:
             if ep is not p.endpoint:
                 self._end_extra_link(p, ep, f"{type(exc).__name__}: {exc}")
                 return
-            self._fail_peer(p, exc, "receive")
+            self._fail_peer(p, exc.with_traceback(None), "receive")
 
     def _end_extra_link(self, p: _Peer, ep: Endpoint, why: str) -> None:
         """A second link under a peer's name (both sides connected at once, or another holder of the secret

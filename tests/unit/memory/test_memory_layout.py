@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 
@@ -403,3 +404,48 @@ def test_restore_requires_the_used_block_ids():
     lay.drop_layers([2])
     with pytest.raises(TypeError):
         lay.restore_layers([2], pattern_source)  # type: ignore[call-arg]
+
+
+def test_a_peer_restores_layers_from_the_arena_bytes_of_a_live_layout():
+    """Two layouts of one model pack an arena identically: a restore with no weight source leaves the arenas for
+    the caller, who fills them from a peer's live pages (what services/worker/weight_exchange.py sends)."""
+    peer = make_layout(num_layers=6)
+    lay = make_layout(num_layers=6, layer_start=0, layer_end=3)
+    r = lay.restore_layers([3, 4, 5], None, used_block_ids=())
+    assert r.fill_seconds == 0.0 and lay.held_groups == ["embed", "head"]
+    keys = lay.restore_arenas((0, 3), (0, 6), (3, 6))
+    assert keys == ["group:head", "3", "4", "5"]
+    for k in keys:
+        assert lay.arena_nbytes(k) == peer.arena_nbytes(k)
+        lay.fill_arena(k, peer.arena_bytes(k))
+    lay.check_invariants()
+    mine, theirs = lay.weights(), peer.weights()
+    assert sorted(mine) == sorted(theirs)
+    for name, t in theirs.items():
+        assert torch.equal(_bytes(mine[name]), _bytes(t)), name
+    del mine, theirs, t
+    lay.release_views()
+    peer.release_views()
+    with pytest.raises(WeightSourceError):
+        lay.fill_arena("3", torch.zeros(5, dtype=torch.uint8))
+    sent = peer.arena_bytes("5")  # a send in flight pins the arena: its layer cannot be dropped under it
+    with pytest.raises(ViewStillAliveError):
+        peer.drop_layers([5])
+    del sent
+    peer.drop_layers([5])
+    with pytest.raises(KeyError):
+        peer.arena_bytes("5")
+
+
+def test_restore_arenas_send_each_weight_group_with_exactly_one_piece():
+    lay = make_layout(num_layers=6, layer_start=2, layer_end=4, num_pages=40)
+    # a middle stage becoming whole: the embeddings come with layer 0, the head with the last layer
+    assert lay.restore_arenas((2, 4), (0, 6), (0, 2)) == ["group:embed", "0", "1"]
+    assert lay.restore_arenas((2, 4), (0, 6), (4, 6)) == ["group:head", "4", "5"]
+    # a groups' holder gaining middle layers gets no group again
+    assert lay.restore_arenas((0, 2), (0, 4), (2, 4)) == ["2", "3"]
+    tied = make_layout(num_layers=6, layer_start=2, layer_end=4, num_pages=40)
+    tied.groups = {"embed": dataclasses.replace(tied.groups["embed"], held_with="ends")}
+    assert tied.restore_arenas((2, 4), (0, 6), (0, 2)) == ["group:embed", "0", "1"]
+    assert tied.restore_arenas((2, 4), (0, 6), (4, 6)) == ["4", "5"]
+    assert tied.restore_arenas((2, 4), (2, 6), (4, 6)) == ["group:embed", "4", "5"]

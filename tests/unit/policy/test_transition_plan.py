@@ -14,12 +14,14 @@ from kunserve.shared.policy.transition_plan import (
     FlowPart,
     SeqMove,
     TransitionError,
+    WeightPiece,
     assign_restore_targets,
     assign_tables,
     check_unit,
     check_units,
     kv_flows,
     unit_of,
+    weight_pieces,
 )
 
 L = 4  # layers of the model in the hand-written cases
@@ -357,3 +359,50 @@ def test_splitting_a_quad_into_pairs_brings_each_request_back_to_one_pair():
     assert flows["A1", "B1"].parts == [FlowPart("y", 2, 3, (3,), (0,))]
     assert flows["B0", "B0"].parts == [FlowPart("y", 1, 2, (3,), (0,))]
     assert flows["B1", "B1"].parts == [FlowPart("y", 3, 4, (3,), (0,))]
+
+
+# -- weights a transition gives a worker, and who sends them -------------------------------------------------
+
+def test_a_pair_split_into_wholes_pulls_each_half_from_the_other_member():
+    assert weight_pieces(GROUP, [whole("A", "A"), whole("B", "B")]) == [
+        WeightPiece("B", "A", 2, 4), WeightPiece("A", "B", 0, 2)]
+    assert weight_pieces(OLD_WHOLES, GROUP) == [], "a drop gains no layer"
+
+
+def test_a_quad_split_into_pairs_pulls_each_quarter_from_the_quad_member_holding_it():
+    quad = [Unit("q", (Member("A", 0, 1), Member("C", 1, 2), Member("B", 2, 3), Member("D", 3, 4)))]
+    pairs = [group("p1", ("A", 0, 2), ("B", 2, 4)), group("p2", ("C", 0, 2), ("D", 2, 4))]
+    assert weight_pieces(quad, pairs) == [WeightPiece("C", "A", 1, 2), WeightPiece("D", "B", 3, 4),
+                                          WeightPiece("A", "C", 0, 1), WeightPiece("B", "D", 2, 3)]
+
+
+def test_a_middle_member_pulls_from_the_members_on_both_sides():
+    old = [Unit("t", (Member("A", 0, 1), Member("B", 1, 3), Member("C", 3, 4)))]
+    new = [whole("A", "A"), whole("B", "B"), whole("C", "C")]
+    assert [p for p in weight_pieces(old, new) if p.dst == "B"] == [WeightPiece("A", "B", 0, 1),
+                                                                     WeightPiece("C", "B", 3, 4)]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(transitions())
+def test_every_gained_layer_comes_once_from_a_member_of_the_old_unit_holding_it(t):
+    num_layers, old, new, _ = t
+    pieces = weight_pieces(old, new)
+    got: dict[tuple[str, int], str] = {}
+    for p in pieces:
+        assert p.src != p.dst and p.layer_start < p.layer_end
+        src = unit_of(old, p.dst).member(p.src)
+        assert src is not None, "the sender is a member of the receiver's old unit"
+        for layer in range(p.layer_start, p.layer_end):
+            assert src.layer_start <= layer < src.layer_end
+            assert (p.dst, layer) not in got
+            got[p.dst, layer] = p.src
+    want = set()
+    for u in new:
+        for m in u.members:
+            o = unit_of(old, m.worker_id).member(m.worker_id)
+            assert o is not None
+            want |= {(m.worker_id, x) for x in range(m.layer_start, m.layer_end) if not o.layer_start <= x < o.layer_end}
+    assert set(got) == want
+    for a, b in zip(pieces, pieces[1:]):  # maximal pieces: neighbours from one source are merged
+        assert not (a.dst == b.dst and a.src == b.src and a.layer_end == b.layer_start)

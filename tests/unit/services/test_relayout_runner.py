@@ -20,17 +20,19 @@ from oracle import compare_greedy
 
 from kunserve.services.worker.handover import Moved
 from kunserve.services.worker.relayout import TransitionRefused, TransitionRunner
+from kunserve.services.worker.weight_exchange import WeightReceiver
 from kunserve.shared.engine.api import EngineRequest, FinishReason, SamplingParams, TokenEvent
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
+from kunserve.shared.model.pool_placement import fused_source
 from kunserve.shared.model.reference import reference_scores
 from kunserve.shared.model.weights import load_model_source
 from kunserve.shared.policy.batch_scheduler import SchedulerConfig
 from kunserve.shared.policy.cluster import Member, Unit
 from kunserve.shared.policy.planner import merged_members, plan_split, unit_id_for
-from kunserve.shared.policy.transition_plan import SeqMove, assign_restore_targets, assign_tables
+from kunserve.shared.policy.transition_plan import SeqMove, assign_restore_targets, assign_tables, weight_pieces
 from kunserve.shared.streams import StreamRegistry
-from kunserve.shared.transfer.framing import KV_EXCHANGE
+from kunserve.shared.transfer.framing import KV_EXCHANGE, WEIGHTS
 from kunserve.shared.transfer.service import Received, TransferError
 from kunserve.shared.wire.transitions import unit_to_pb
 from kunserve.v1 import transfer_pb2, worker_pb2
@@ -55,6 +57,7 @@ class FakeNetwork:
         self.services: dict[str, FakeTransfer] = {}
         self.dead: set[str] = set()
         self.refused: set[tuple[str, int]] = set()  # (sender, kind) whose submits fail
+        self.weights_after_remap = False  # hold weights until their receiver can take them in place
 
     def add(self, name: str) -> FakeTransfer:
         svc = self.services[name] = FakeTransfer(self, name, f"{name}.test:{7000 + len(self.services)}")
@@ -82,6 +85,8 @@ class FakeTransfer:
         self.lost_callbacks: list = []
         self.queues: dict[int, asyncio.Queue] = collections.defaultdict(asyncio.Queue)
         self.sent: collections.Counter = collections.Counter()  # kind -> messages submitted
+        self.allocators: dict[int, object] = {}
+        self.in_place: collections.Counter = collections.Counter()  # kind -> messages received into allocated memory
 
     @property
     def peers(self) -> list[str]:
@@ -100,12 +105,20 @@ class FakeTransfer:
     def on_peer_lost(self, callback) -> None:
         self.lost_callbacks.append(callback)
 
+    def set_allocator(self, kind: int, allocator) -> None:
+        if allocator is None:
+            self.allocators.pop(kind, None)
+        else:
+            self.allocators[kind] = allocator
+
     def submit(self, peer: str, kind: int, data, *, request_ids=(), layer_start: int = 0, layer_end: int = 0,
                epoch: int = 0, name: str = "") -> FakeHandle:
         if peer not in self.linked or peer in self.net.dead or (self.name, kind) in self.net.refused:
             raise TransferError(peer, "not connected")
+        nbytes = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else 0
         header = transfer_pb2.TransferHeader(kind=kind, epoch=epoch, name=name, request_ids=list(request_ids),
-                                             layer_start=layer_start, layer_end=layer_end, source=self.name)
+                                             layer_start=layer_start, layer_end=layer_end, source=self.name,
+                                             total_bytes=nbytes)
         msg = Received(self.name, header, data.clone() if isinstance(data, torch.Tensor) else data)
         self.sent[kind] += 1
         asyncio.get_running_loop().call_soon(self.net.services[peer].deliver, msg)
@@ -114,6 +127,17 @@ class FakeTransfer:
     def deliver(self, msg: Received) -> None:
         if self.name in self.net.dead:
             return
+        kind = msg.header.kind
+        if kind == WEIGHTS and self.net.weights_after_remap and kind not in self.allocators:
+            asyncio.get_running_loop().call_later(0.005, self.deliver, msg)
+            return
+        alloc = self.allocators.get(kind)
+        into = alloc(msg.peer, msg.header) if alloc is not None else None
+        if into is not None:  # what the real service does: the message lands in the allocator's memory
+            into.copy_(msg.data.reshape(-1).view(into.dtype))
+            self.in_place[kind] += 1
+            msg = Received(msg.peer, msg.header, into)
+            del into
         cb = self.callbacks.get(msg.header.kind)
         if cb is not None:
             cb(msg)
@@ -146,7 +170,7 @@ class Worker:
 
 
 @contextlib.asynccontextmanager
-async def cluster(n: int = 2, timeout_s: float = 20.0):
+async def cluster(n: int = 2, timeout_s: float = 20.0, host_copy: bool = True):
     net = FakeNetwork()
     workers: dict[str, Worker] = {}
     try:
@@ -154,7 +178,7 @@ async def cluster(n: int = 2, timeout_s: float = 20.0):
             wid = f"w{i}"
             inst = PooledInstance(SOURCE, layer_range=(0, NUM_LAYERS), pool_bytes=24 * MIB, page_size=256 * 1024,
                                   block_size=16, backend="host",
-                                  scheduler_config=SchedulerConfig(max_num_batched_tokens=64))
+                                  scheduler_config=SchedulerConfig(max_num_batched_tokens=64), keep_host_copy=host_copy)
             loop = EngineLoop(inst.engine)
             svc = net.add(wid)
             streams: StreamRegistry[TokenEvent] = StreamRegistry()
@@ -332,6 +356,71 @@ def test_drop_mid_decode_then_restore_keeps_the_greedy_tokens():
     asyncio.run(main())
 
 
+def assert_weights_are_the_models(inst: PooledInstance) -> None:
+    """Bit for bit the weights the model source gives (stored in the pool's dtype)."""
+    ref = fused_source(SOURCE.load_weights())
+    for name, t in inst.layout.weights().items():
+        assert torch.equal(t, ref(name).to(t.dtype)), name
+    inst.layout.release_views()
+
+
+def test_restore_without_a_host_copy_pulls_the_missing_layers_from_the_peer():
+    """engine.host_copy = false: the restore pulls each member's missing half from the other member on the
+    weights class, received straight into the pages taken back from the KV tail; the weights are the model's
+    bit for bit and the requests keep their greedy tokens."""
+    async def main() -> None:
+        async with cluster(host_copy=False) as (net, workers):
+            net.weights_after_remap = True
+            w0, w1 = workers["w0"], workers["w1"]
+            assert w0.inst.host_copy is None and w1.inst.host_copy is None
+            reqs = start_requests(workers)
+            await reqs.until_each_has(3)
+            pause(workers)
+            await drop(workers)
+            seen = {rid: len(t) for rid, t in reqs.tokens.items()}
+            await reqs.until_each_has(min(seen.values()) + 3)
+            done = await transition(workers, 2, "restore", [with_blocks(group_of(workers), workers)],
+                                    [w0.single(), w1.single()])
+            assert w0.inst.layer_range == w1.inst.layer_range == (0, NUM_LAYERS)
+            for me, peer in (("w0", "w1"), ("w1", "w0")):
+                assert done[me].weight_bytes_from_peers == done[peer].weight_bytes_sent > 0
+                assert done[me].weight_bytes_from_host == done[me].weight_bytes_from_checkpoint == 0
+                assert net.services[me].in_place[WEIGHTS] > 0, "received into the restored arenas"
+                assert_weights_are_the_models(workers[me].inst)
+            await reqs.finish()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("host_copy", [True, False])
+def test_weights_no_peer_delivers_come_from_the_host_copy_or_the_checkpoint(host_copy: bool):
+    """The sender's link is gone: the receiver stops waiting for it and fills the arenas from its fallback."""
+    async def main() -> None:
+        net = FakeNetwork()
+        svc = net.add("w0")
+        inst = PooledInstance(SOURCE, layer_range=(0, NUM_LAYERS), pool_bytes=24 * MIB, page_size=256 * 1024,
+                              block_size=16, backend="host", keep_host_copy=host_copy)
+        try:
+            inst.to_range(0, 2)
+            old = [Unit("g", (Member("w0", 0, 2, svc.address), Member("w1", 2, NUM_LAYERS, "w1.test:1")))]
+            new = [Unit.single("w0", NUM_LAYERS, svc.address), Unit.single("w1", NUM_LAYERS, "w1.test:1")]
+            pieces = weight_pieces(old, new)
+            inst.to_range(0, NUM_LAYERS, fill=False)
+            rx = WeightReceiver.expecting(svc, inst, "w0", 2, pieces, old, new)  # type: ignore[arg-type]
+            assert sorted(rx.missing) == ["2", "3", "group:head"]
+            rx.install()
+            await rx.receive(timeout_s=30.0)  # w1 is not linked: returns at once
+            rx.uninstall()
+            rx.finish()
+            source = "host" if host_copy else "checkpoint"
+            assert list(rx.bytes_by_source) == [source] and rx.bytes_by_source[source] > 0
+            assert_weights_are_the_models(inst)
+        finally:
+            inst.close()
+
+    asyncio.run(main())
+
+
 def test_abort_after_prepare_resumes_the_old_layout_unchanged():
     async def main() -> None:
         async with cluster() as (_, workers):
@@ -399,9 +488,12 @@ def test_an_expired_lease_aborts_the_prepared_transition_on_its_own():
     asyncio.run(main())
 
 
-def test_losing_the_stage_heals_the_head_to_a_whole_instance():
+@pytest.mark.parametrize("host_copy", [True, False])
+def test_losing_the_stage_heals_the_head_to_a_whole_instance(host_copy: bool):
+    """The peer that holds the head's missing layers is gone before any restore: the head fills them from its
+    host copy, or without one from the checkpoint."""
     async def main() -> None:
-        async with cluster() as (net, workers):
+        async with cluster(host_copy=host_copy) as (net, workers):
             w0 = workers["w0"]
             reqs = start_requests(workers)
             await reqs.until_each_has(2)
@@ -414,6 +506,7 @@ def test_losing_the_stage_heals_the_head_to_a_whole_instance():
             await reqs.finish()
             assert w0.runner.role is None and w0.loop.engine.link is None
             assert w0.inst.layer_range == (0, NUM_LAYERS) and w0.loop.engine.serving
+            assert_weights_are_the_models(w0.inst)
 
     asyncio.run(main())
 
@@ -471,17 +564,20 @@ def with_blocks(unit: Unit, workers: dict[str, Worker]) -> Unit:
     return Unit(unit.unit_id, unit.members, workers[unit.head].loop.engine.allocator.num_blocks)
 
 
-async def transition(workers: dict[str, Worker], epoch: int, op: str, old: list[Unit], new: list[Unit]) -> None:
+async def transition(workers: dict[str, Worker], epoch: int, op: str, old: list[Unit],
+                     new: list[Unit]) -> dict[str, worker_pb2.TransitionDone]:
     pause(workers)
     spec, prepared = await prepare(workers, epoch, op, old, new)
     done = await execute(workers, plan(spec, prepared, op, old, new))
     assert all(isinstance(d, worker_pb2.TransitionDone) for d in done.values()), done
     await commit(workers, epoch)
+    return done  # type: ignore[return-value]
 
 
 def test_pairs_merge_into_a_quad_mid_decode_and_split_back_step_by_step():
+    """Without any host copy: each split pulls the quarter a member gains from the quad member holding it."""
     async def main() -> None:
-        async with cluster(4) as (net, workers):
+        async with cluster(4, host_copy=False) as (net, workers):
             reqs = start_requests(workers, per_worker=1, max_tokens=48)
             await reqs.until_each_has(2)
             await transition(workers, 1, "drop", [w.single() for w in workers.values()], pairs_of(workers))
@@ -502,15 +598,21 @@ def test_pairs_merge_into_a_quad_mid_decode_and_split_back_step_by_step():
 
             pairs = list(plan_split(quad, NUM_LAYERS))
             assert [u.worker_ids for u in pairs] == [("w0", "w1"), ("w2", "w3")]
-            await transition(workers, 3, "restore", [with_blocks(quad, workers)], pairs)
+            done = await transition(workers, 3, "restore", [with_blocks(quad, workers)], pairs)
             assert [workers[w].inst.layer_range for w in ("w0", "w1", "w2", "w3")] == [(0, 2), (2, 4), (0, 2), (2, 4)]
+            assert all(d.weight_bytes_from_peers > 0 and not d.weight_bytes_from_checkpoint for d in done.values())
+            for w in workers.values():
+                assert_weights_are_the_models(w.inst)
             assert workers["w0"].loop.engine.seqs and workers["w2"].loop.engine.seqs, "the restore spread the requests"
             seen = {rid: len(t) for rid, t in reqs.tokens.items()}
             await reqs.until_each_has(min(seen.values()) + 2)
 
             wholes = [u for p in pairs for u in plan_split(p, NUM_LAYERS)]
-            await transition(workers, 4, "restore", [with_blocks(p, workers) for p in pairs], wholes)
+            done = await transition(workers, 4, "restore", [with_blocks(p, workers) for p in pairs], wholes)
             assert all(w.inst.layer_range == (0, NUM_LAYERS) and w.runner.role is None for w in workers.values())
+            assert all(d.weight_bytes_from_peers > 0 and not d.weight_bytes_from_checkpoint for d in done.values())
+            for w in workers.values():
+                assert_weights_are_the_models(w.inst)
             await reqs.finish()
 
     asyncio.run(main())
