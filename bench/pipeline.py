@@ -2,10 +2,10 @@
 live head / stage code path, and the cost models' error per phase.
 
 The paper reports, for pipelined execution after a parameter drop, 21.9% bubble time with token-count
-microbatches and 8.3% with lookahead, and +20% throughput. Live groups form token-count microbatches only
-(the head's scheduler fills each with up to --chunk-tokens tokens, decodes included); lookahead
-(shared/policy/microbatch.py) is not wired into them, so this measures the token-count side of that
-comparison. Here:
+microbatches and 8.3% with lookahead, and +20% throughput. A live group's head forms its microbatches with
+`MicrobatchFormer` (shared/policy/microbatch.py): on a long queue the lookahead formulation under the
+fitted cost model, else token chunking (the scheduler fills each microbatch with up to --chunk-tokens
+tokens, decodes included). Both are run here, on the same queue. Here:
 
 1. profile  — time stage 1's layer range (the first stage after the head: what a later stage spends per
               microbatch, its attention metadata included, which it builds from the head's StageBatch) over
@@ -13,7 +13,8 @@ comparison. Here:
               model, report the held-out relative error per phase;
 2. pipeline — a long queue (all requests queued at t=0: a burst), prompts long-tailed between
               --min-prompt and --max-prompt tokens, a few output tokens each, through a pipeline group in
-              this process with 2 and 4 stages (shared/engine/local_link.py: the head Engine runs
+              this process with 2 and 4 stages, with token-count and with lookahead microbatches (the
+              latter under the cost model fitted in 1) (shared/engine/local_link.py: the head Engine runs
               `_step_pipelined`, every later stage is an Engine running `forward_stage` on its own thread,
               the code a live group's workers run), and through one whole instance for reference. Per
               stage: the busy seconds of its engine's busy / idle accounting (shared/engine/accounting.py);
@@ -58,6 +59,7 @@ from kunserve.shared.engine.stage_wire import StageBatch
 from kunserve.shared.model.architecture import TINY_CONFIG, ModelConfig
 from kunserve.shared.model.weights import random_weights
 from kunserve.shared.policy.costmodel import KunServeCostModel, relative_errors
+from kunserve.shared.policy.microbatch import MicrobatchFormer
 from kunserve.shared.policy.planner import balanced_split
 
 LARGER_CONFIG = ModelConfig(vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2,
@@ -67,8 +69,6 @@ BLOCK_SIZE = 16
 LIMITATION = ("stages are threads of one process; with fewer cores than stages (plus the head) they share cores and "
               "memory bandwidth, so the bubble ratio and throughput measured there mostly show the missing cores; "
               "a pipeline group of GPUs gives every stage its own device")
-MICROBATCHING = ("token-count microbatches (the live head's scheduler budget); lookahead is not wired into live "
-                 "pipeline groups, so there is no lookahead on / off comparison")
 
 
 def workload(cfg: ModelConfig, n: int, min_prompt: int, max_prompt: int, max_out: int, seed: int) -> list[EngineRequest]:
@@ -138,7 +138,7 @@ def run_whole(cfg, weights, reqs, args, sched: SchedulerConfig, blocks: int) -> 
     before = eng.busy_idle().busy_s
     tokens, window = tokens_of(eng, reqs)
     busy = eng.busy_idle().busy_s - before
-    return {"stages": 1, "layers": [[0, cfg.num_layers]], "microbatches": None, "window_s": window,
+    return {"stages": 1, "lookahead": False, "layers": [[0, cfg.num_layers]], "microbatches": None, "window_s": window,
             "tokens_per_s": _tokens(reqs, tokens) / window, "bubble_ratio": max(0.0, 1 - busy / window),
             "stage_bubble_ratio": [max(0.0, 1 - busy / window)], "stage_busy_s": [busy], "tokens": tokens}
 
@@ -148,18 +148,21 @@ def _tokens(reqs: list[EngineRequest], tokens: dict[str, list[int]]) -> int:
 
 
 def run_group(cfg, weights, reqs, stages: int, cost_model: KunServeCostModel, args, sched: SchedulerConfig,
-              blocks: int) -> dict[str, Any]:
+              blocks: int, lookahead: bool) -> dict[str, Any]:
     ranges = balanced_split(cfg.num_layers, stages)
     log = MicrobatchLog()
     head, link = local_group(cfg, weights, ranges, num_kv_blocks=blocks, block_size=BLOCK_SIZE, device=args.device,
                              scheduler_config=sched, max_inflight=args.max_inflight, observe=log)
+    head.former = MicrobatchFormer(cost_model, lookahead=lookahead)
     with link:
         members = [head, *link.stages]
         tokens_of(head, workload(cfg, 4, 32, 256, 2, seed=999))  # warm-up (allocator, kernels)
         log.clear()
         before = [m.busy_idle().busy_s for m in members]
+        planned_before = head.planned_microbatches
         tokens, window = tokens_of(head, reqs)
         busy = [m.busy_idle().busy_s - b for m, b in zip(members, before)]
+        planned = head.planned_microbatches - planned_before
     mbs = sorted(log.batches)
     stage1 = [log.times[m][1] for m in mbs]
     pred = [cost_model.batch_cost(chunks_of(log.batches[m])) for m in mbs]
@@ -170,7 +173,8 @@ def run_group(cfg, weights, reqs, stages: int, cost_model: KunServeCostModel, ar
     prefill_mbs = [t for t, c in zip(stage1, carrying) if c]
     ratios = [max(0.0, 1 - b / window) for b in busy]
     return {
-        "stages": stages, "layers": [list(r) for r in ranges], "microbatches": len(mbs), "window_s": window,
+        "stages": stages, "lookahead": lookahead, "layers": [list(r) for r in ranges], "microbatches": len(mbs),
+        "lookahead_microbatches": planned, "window_s": window,
         "tokens_per_s": _tokens(reqs, tokens) / window, "bubble_ratio": statistics.mean(ratios),
         "stage_bubble_ratio": ratios, "stage_busy_s": busy, "inflight_limit": link.max_inflight,
         "stage1_time_cv_prefill": cv(prefill_mbs), "stage1_time_iqr_prefill": iqr_spread(prefill_mbs),
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     max_len = min(cfg.max_position_embeddings, max(2048, args.max_prompt + args.max_out))
     result: dict[str, Any] = {"machine": _machine(), "device": args.device, "model": cfg.name, "quick": args.quick,
                               "requests": n, "chunk_tokens": args.chunk_tokens, "repeats": repeats,
-                              "microbatching": MICROBATCHING, "limitation": LIMITATION, "profiles": {}, "runs": []}
+                              "limitation": LIMITATION, "profiles": {}, "runs": []}
     reqs = workload(cfg, n, args.min_prompt, args.max_prompt, args.max_out, seed=1)
     sched = SchedulerConfig(max_num_batched_tokens=args.chunk_tokens, max_num_seqs=max(64, n))
     blocks = sum(-(-(len(r.prompt_token_ids) + r.sampling.max_tokens) // BLOCK_SIZE) for r in reqs) + 16
@@ -250,14 +254,16 @@ def main(argv: list[str] | None = None) -> int:
                          for p in ("prefill", "chunked_prefill", "decode", "mixed")))
     console.print(ft)
 
+    rows = [(1, False)] + [(s, la) for s in stage_counts for la in (False, True)]
     for rep in range(repeats):
-        for s in [1, *stage_counts]:
-            console.print(f"{'whole instance' if s == 1 else f'pipeline: {s} stages'}, run {rep + 1}/{repeats} ...")
+        for s, la in rows:
+            what = "whole instance" if s == 1 else f"pipeline: {s} stages, {'lookahead' if la else 'token-count'}"
+            console.print(f"{what}, run {rep + 1}/{repeats} ...")
             t = time.perf_counter()
             if s == 1:
                 r = run_whole(cfg, weights, reqs, args, sched, blocks)
             else:
-                r = run_group(cfg, weights, reqs, s, cost_models[s], args, sched, blocks)
+                r = run_group(cfg, weights, reqs, s, cost_models[s], args, sched, blocks, la)
             r["repeat"] = rep
             r["wall_s"] = time.perf_counter() - t
             result["runs"].append(r)
@@ -269,32 +275,33 @@ def main(argv: list[str] | None = None) -> int:
     for run in result["runs"]:
         del run["tokens"]
 
-    t = Table(title=f"live pipeline path on a long queue ({n} requests, token-count microbatches of "
-                    f"{args.chunk_tokens} tokens; median of {repeats})")
-    for col in ("stages", "micro-batches", "size CV", "stage-1 time IQR/median", "bubble per stage",
-                "bubble (mean)", "tok/s (vs whole)", "cost-model err"):
+    t = Table(title=f"live pipeline path on a long queue ({n} requests, microbatch budget {args.chunk_tokens} tokens; "
+                    f"median of {repeats})")
+    for col in ("stages", "microbatching", "micro-batches (planned)", "size CV", "stage-1 time IQR/median",
+                "bubble per stage", "bubble (mean)", "tok/s (vs whole)", "cost-model err"):
         t.add_column(col, justify="right")
     summary = []
     base = None
-    for s in [1, *stage_counts]:
-        runs = [r for r in result["runs"] if r["stages"] == s]
+    for s, la in rows:
+        runs = [r for r in result["runs"] if r["stages"] == s and r["lookahead"] == la]
         med: dict[str, Any] = {k: statistics.median(v) for k, v in {
             "bubble": [r["bubble_ratio"] for r in runs], "tps": [r["tokens_per_s"] for r in runs]}.items()}
         med["stage_bubble"] = [statistics.median(col) for col in zip(*(r["stage_bubble_ratio"] for r in runs))]
         if s > 1:
-            for key, field in (("mbs", "microbatches"), ("size_cv", "microbatch_tokens_cv"),
-                               ("spread", "stage1_time_iqr_prefill")):
+            for key, field in (("mbs", "microbatches"), ("planned", "lookahead_microbatches"),
+                               ("size_cv", "microbatch_tokens_cv"), ("spread", "stage1_time_iqr_prefill")):
                 med[key] = statistics.median(r[field] for r in runs)
             errs = [r["cost_model_mean_rel_err"] for r in runs if r["cost_model_mean_rel_err"] is not None]
             med["err"] = statistics.median(errs) if errs else float("nan")
-        summary.append({"stages": s, **med})
+        summary.append({"stages": s, "lookahead": la, **med})
         gain = f" ({100 * (med['tps'] / base['tps'] - 1):+.1f}%)" if base is not None else ""
         per_stage = " / ".join(f"{100 * b:.0f}%" for b in med["stage_bubble"])
         if s == 1:
-            t.add_row("1 (whole)", "-", "-", "-", per_stage, f"{100 * med['bubble']:.1f}%", f"{med['tps']:,.0f}", "-")
+            t.add_row("1 (whole)", "-", "-", "-", "-", per_stage, f"{100 * med['bubble']:.1f}%", f"{med['tps']:,.0f}", "-")
         else:
-            t.add_row(str(s), f"{med['mbs']:.0f}", f"{med['size_cv']:.2f}", f"{med['spread']:.2f}", per_stage,
-                      f"{100 * med['bubble']:.1f}%", f"{med['tps']:,.0f}{gain}", f"{100 * med['err']:.1f}%")
+            t.add_row(str(s), "lookahead" if la else "token-count", f"{med['mbs']:.0f} ({med['planned']:.0f})",
+                      f"{med['size_cv']:.2f}", f"{med['spread']:.2f}", per_stage, f"{100 * med['bubble']:.1f}%",
+                      f"{med['tps']:,.0f}{gain}", f"{100 * med['err']:.1f}%")
         base = base or med
     result["summary"] = summary
     result["machine"]["loadavg_end"] = os.getloadavg()
@@ -302,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     agree = result["token_agreement"]
     console.print(f"greedy tokens identical to the whole instance's: {agree['identical_per_run']} of "
                   f"{agree['requests']} requests per run")
-    console.print(f"[yellow]note[/]: {MICROBATCHING}. {LIMITATION}. Paper (GPUs): 21.9% bubbles with token-count "
-                  "microbatches, 8.3% with lookahead.")
+    console.print(f"[yellow]note[/]: {LIMITATION}. Paper (GPUs): 21.9% bubbles with token-count microbatches, 8.3% "
+                  "with lookahead.")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -122,6 +122,10 @@ class EngineSection:
     profile: str = ""
     budget: str = "auto"  # auto | fixed
     budget_headroom: float = 0.9
+    # Microbatches of a pipeline group's head (KunServe §4.3): with a long queue, the lookahead formulation
+    # (cost-balanced microbatches under the profile's fitted cost model, token chunking without a matching
+    # profile); false = token chunking always (the "kunserve-no-lookahead" ablation).
+    lookahead: bool = True
 
 
 @dataclass

@@ -70,6 +70,23 @@ class GroupView:
     kv_blocks_total: int | None           # the unit's KV capacity: the head's block space (None: no stats)
     kv_blocks_undropped: int | None       # sum of the members' capacity as whole instances (None: unknown)
     transitioning: bool
+    bubble_ratio: float | None = None     # see group_bubble_ratio (None: a member without stats, or no work yet)
+
+
+def group_bubble_ratio(order: list[str], stats) -> float | None:
+    """The share of the unit's stage time spent idle while it had work (KunServe §5.3's pipeline bubble), from
+    the members' busy / bubble counters (cumulative since each worker started). The unit had work whenever its
+    head computed or had requests waiting (head busy + head bubble); during that time every member should have
+    computed, so the bubble is 1 - sum(members' busy) / (members x that time). A whole instance: its own
+    bubble ratio."""
+    if not order or any(w not in stats for w in order):
+        return None
+    head = stats[order[0]]
+    work = head.busy_seconds_total + head.bubble_seconds_total
+    if work <= 0:
+        return None
+    busy = sum(min(stats[w].busy_seconds_total, work) for w in order)
+    return max(0.0, 1.0 - busy / (len(order) * work))
 
 
 def status_groups(status) -> list[GroupView]:
@@ -99,7 +116,7 @@ def status_groups(status) -> list[GroupView]:
         out.append(GroupView(gid, members, serving,
                              stats[head].kv_blocks_total if head in stats else None,
                              sum(und) if all(x > 0 for x in und) else None,
-                             any(stats[w].transitioning for w in order if w in stats)))
+                             any(stats[w].transitioning for w in order if w in stats), group_bubble_ratio(order, stats)))
     return out
 
 
@@ -125,7 +142,8 @@ def format_groups(status) -> list[str]:
         state = "serving" if g.serving else "not serving"
         if g.transitioning:
             state += ", transitioning"
-        lines.append(f"{g.group_id} ({kind}, {state}): {_members(g.members)}; KV capacity {cap} blocks{und}")
+        bubble = f"; bubble {100 * g.bubble_ratio:.1f}%" if g.bubble_ratio is not None else ""
+        lines.append(f"{g.group_id} ({kind}, {state}): {_members(g.members)}; KV capacity {cap} blocks{und}{bubble}")
     return lines
 
 

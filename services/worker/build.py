@@ -1,6 +1,7 @@
 """Build a worker's model instance from the cluster config: the layer range in the unified memory
 pool (weights + KV cache share its pages), the engine on top, the device, the thread count and the
-token budget (SLO-aware from a matching cost-model profile, else the fixed one)."""
+token budget (SLO-aware from a matching cost-model profile, else the fixed one) and how the engine cuts its
+queue into microbatches when it heads a pipeline group (lookahead under the same profile, else token chunking)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from kunserve.shared.log import get_logger
 from kunserve.shared.memory.errors import MemoryPoolError
 from kunserve.shared.model.weights import load_model_source
 from kunserve.shared.policy.batch_scheduler import FixedTokenBudget, SchedulerConfig, TokenBudget
+from kunserve.shared.policy.microbatch import MicrobatchFormer
 from kunserve.shared.policy.overload_policies import overload_handling
 from kunserve.shared.policy.token_budget import SLOTokenBudget
 from kunserve.shared.process import DeviceError, pick_device, thread_share
@@ -53,6 +55,26 @@ def make_token_budget(cfg: ClusterConfig, *, model: str, dtype: str, layers: tup
                     f"({e.budget_headroom:g} x tbt {cfg.slo.tbt_ms:g} ms)")
 
 
+def make_microbatch_former(cfg: ClusterConfig, *, model: str, dtype: str, layers: tuple[int, int], device: str,
+                           threads: int) -> tuple[MicrobatchFormer, str]:
+    """How this worker cuts its queue into microbatches when it heads a pipeline group, and a one-line reason
+    (logged at start). With engine.lookahead and a profile for exactly this model, dtype, layer range and device
+    (the one the SLO budget would use), the lookahead formulation balances microbatches under the profile's
+    KunServe cost model; it is fitted on the whole layer range, but a head balances its own stage with it: Eq. 1
+    scales with the number of layers, so the cheapest balance point stays where it is. Anything else: token
+    chunking."""
+    e = cfg.engine
+    if not e.lookahead:
+        return MicrobatchFormer(None, lookahead=False), "token chunking (engine.lookahead = false)"
+    if not e.profile:
+        return MicrobatchFormer(None), "token chunking: no cost-model profile (engine.profile) for lookahead"
+    try:
+        prof = find_profile(e.profile, model=model, dtype=dtype, layers=layers, device_sig=device_signature(device, threads))
+    except ProfileError as exc:
+        return MicrobatchFormer(None), f"fallback: {exc}; token chunking instead of lookahead"
+    return MicrobatchFormer(prof.kunserve), f"lookahead: cost model of profile {prof.key} from {e.profile}"
+
+
 def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, PooledInstance, WorkerIdentity]:
     wsec = cfg.worker(worker_id)
     try:
@@ -87,6 +109,9 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Pooled
         raise WorkerBuildError(f"cannot load model weights: {exc}") from None
     log = get_logger()
     (log.warning if why.startswith("fallback") else log.info)("token_budget", budget=why)
+    instance.engine.former, why = make_microbatch_former(cfg, model=source.name, dtype=mcfg.dtype, layers=(start, end),
+                                                         device=device, threads=threads)
+    (log.warning if why.startswith("fallback") else log.info)("pipeline_microbatches", microbatches=why)
     loop = EngineLoop(instance.engine, num_threads=threads)
     identity = WorkerIdentity(
         worker_id=worker_id, address=wsec.address, model_name=source.name, num_layers_model=mcfg.num_layers,

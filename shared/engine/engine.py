@@ -8,6 +8,10 @@ dedicated thread and feeds it commands between iterations.
 The runner handles any layer range: a whole instance runs every layer; in a pipeline group the head
 runs the first range and ships each microbatch through a `PipelineLink` (UCX between workers:
 services/worker/group.py; one process: local_link.py), and every later stage runs `forward_stage`.
+The head spreads the decodes over the microbatches in flight when that decodes faster on this hardware
+(every stage has one to run during pure decode; DecodeSplit measures it) and, with a long queue and a
+`former` that looks ahead, cuts the prompts into the cost-balanced microbatches of KunServe's lookahead
+formulation (shared/policy/microbatch.py).
 
 Busy / idle accounting (`busy_idle()`): an iteration is busy from scheduling to the sampled tokens;
 idle time while requests were queued is this instance's "bubble" (accounting.py). A group head
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import random
+import time
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -33,6 +38,7 @@ from kunserve.shared.engine.stage_wire import StageBatch
 from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.weights import Weights
 from kunserve.shared.policy.batch_scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence, TokenBudget
+from kunserve.shared.policy.microbatch import DecodeSplit, Microbatch, MicrobatchFormer, MicroChunk
 
 __all__ = ["Engine", "SchedulerConfig", "PipelineLink", "GroupBroken", "NotServing"]
 
@@ -105,6 +111,12 @@ class Engine:
         self.link: PipelineLink | None = None
         self.kv_limit: int | None = None
         self._inflight: collections.deque[tuple[int, list[ScheduledChunk], list[ScheduledChunk]]] = collections.deque()
+        # How the head cuts a long queue into microbatches (KunServe §4.3); None: the scheduler's token chunking.
+        # The worker sets it from engine.lookahead and its cost-model profile (services/worker/build.py).
+        self.former: MicrobatchFormer | None = None
+        self._plan: collections.deque[Microbatch] = collections.deque()  # lookahead microbatches still to ship
+        self.planned_microbatches = 0  # microbatches shipped as their lookahead plan said
+        self.decode_split = DecodeSplit()  # whether the head spreads its decodes over the microbatches in flight
 
     # -- requests -------------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -279,7 +291,7 @@ class Engine:
         not busy: the later stages compute, the head does not)."""
         shipped = False
         if len(self._inflight) < link.max_inflight:
-            chunks = self.scheduler.schedule()
+            chunks = self._next_microbatch(link.max_inflight)
             if chunks:
                 batch, ids, sampled = self._build(chunks)
                 try:
@@ -304,6 +316,39 @@ class Engine:
         finally:
             self.clock.begin_busy()
 
+    def _next_microbatch(self, inflight: int) -> list[ScheduledChunk]:
+        """Schedule the head's next microbatch. Its decodes are, while decode_split says so, this microbatch's
+        share of the decoding requests (decode_share: with all of them in one microbatch, every other stage idles
+        during pure decode), else all of them. Its prompt chunks are the next lookahead microbatch while a plan
+        lasts, else the scheduler's token chunking. A microbatch that does not come out as planned (memory ran
+        short, a request left or was preempted) drops the rest of the plan; what was scheduled is valid either
+        way."""
+        sch = self.scheduler
+        share = sch.decode_share(inflight) if self.decode_split.split else None
+        planned = self._planned_next(share if share is not None else sch.num_decoding())
+        if planned is None:
+            return sch.schedule(max_decodes=share)
+        chunks = sch.schedule(max_decodes=share, prompt_tokens=sum(c.num_tokens for c in planned))
+        ids = {c.request_id for c in planned}
+        got = [MicroChunk(c.seq.request_id, c.start, c.num_tokens) for c in chunks if c.seq.request_id in ids]
+        if got == planned:
+            self._plan.popleft()
+            self.planned_microbatches += 1
+        else:
+            self._plan.clear()
+        return chunks
+
+    def _planned_next(self, decodes: int) -> Microbatch | None:
+        """The next lookahead microbatch; a new plan over the whole queue when none is left and the former
+        finds the queue long. None: token chunking. A per-chunk cap (max_prefill_chunk) rules lookahead out."""
+        former = self.former
+        if not self._plan and former is not None and not self.scheduler.config.max_prefill_chunk:
+            budget = max(1, self.scheduler.budget.max_tokens_for(0) - decodes)
+            items = self.scheduler.prompt_work()
+            if former.uses_lookahead(items, budget):
+                self._plan.extend(former.form(items, budget))
+        return self._plan[0] if self._plan else None
+
     def _collect(self, link: PipelineLink, block: bool) -> list[TokenEvent]:
         """Results of the microbatches in flight, oldest first; waits for the first one when block."""
         events: list[TokenEvent] = []
@@ -316,7 +361,9 @@ class Engine:
                 self.scheduler.unpin(chunk.seq)
             live = [i for i, c in enumerate(sampled) if self.seqs.get(c.seq.request_id) is c.seq]  # not aborted
             if live:
+                decode_tokens = sum(1 for i in live if sampled[i].seq.generated)
                 events.extend(self._sample(logits[torch.tensor(live, dtype=torch.long)], [sampled[i].seq for i in live]))
+                self.decode_split.observe(time.perf_counter(), decode_tokens, self.scheduler.num_decoding())
         return events
 
     # -- KV blocks in and out (swap preemption and layout transitions) -----------------------------------
@@ -393,6 +440,7 @@ class Engine:
         block space of this engine's capacity, and a scheduler holding nothing (its counters go on)."""
         self.seqs.clear()
         self._inflight.clear()
+        self._plan.clear()
         self.allocator = BlockAllocator(self._capacity())
         self.scheduler.reset(self.allocator)
 
@@ -425,6 +473,7 @@ class Engine:
     def preempt_all(self) -> None:
         """Recompute preemption of every request (their KV is gone or untrusted: a group broke)."""
         self._inflight.clear()
+        self._plan.clear()
         self.scheduler.pinned.clear()
         for seq in list(self.scheduler.running):
             self.scheduler.preempt(seq)

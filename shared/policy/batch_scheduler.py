@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from kunserve.shared.engine.api import EngineRequest, InvalidRequest
 from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable, blocks_needed
 from kunserve.shared.policy.costmodel import BatchShape
+from kunserve.shared.policy.microbatch import WorkItem
 
 
 class TokenBudget(Protocol):
@@ -258,11 +259,38 @@ class Scheduler:
                 return True
         return False
 
-    def schedule(self) -> list[ScheduledChunk]:
-        """Pick this iteration's work and reserve its KV blocks. Decodes come first in the result."""
+    def decode_share(self, num_microbatches: int) -> int:
+        """The most decodes one of `num_microbatches` microbatches in flight should carry: the decoding
+        sequences (those with a token in flight included) spread evenly over them. A pipeline group's head
+        caps each microbatch at this, so every stage has a microbatch to run during pure decode instead of
+        one microbatch holding every decode while the other stages idle."""
+        return max(1, -(-self.num_decoding() // max(1, num_microbatches)))
+
+    def num_decoding(self) -> int:
+        """Running sequences past their prompt: ready to decode, or with their token in flight."""
+        return sum(1 for s in self.running if s.num_computed > 0 and s.remaining <= 1)
+
+    def prompt_work(self) -> list[WorkItem]:
+        """The prompt tokens schedule() would chunk, in the order it takes them: partly prefilled running
+        sequences, then the waiting ones (a swapped-out one from its saved KV on). What a pipeline group's head
+        plans its lookahead microbatches over."""
+        out = [WorkItem(s.request_id, s.remaining, s.num_computed) for s in self.running if s.remaining > 1]
+        for s in self.waiting:
+            done = s.swapped_tokens if s.swapped is not None else s.num_computed
+            if len(s.tokens) > done:
+                out.append(WorkItem(s.request_id, len(s.tokens) - done, done))
+        return out
+
+    def schedule(self, max_decodes: int | None = None, prompt_tokens: int | None = None) -> list[ScheduledChunk]:
+        """Pick this iteration's work and reserve its KV blocks. Decodes come first in the result, at most
+        `max_decodes` of them (the oldest; None: every one). `prompt_tokens`: the prompt chunks take exactly
+        this many tokens (a planned microbatch: the budget's chunk sizing does not apply) unless memory or
+        max_num_seqs stops them first; None: what the budget leaves after the decodes."""
         cfg = self.config
         out: list[ScheduledChunk] = []
         decodes = [s for s in self.running if s.remaining == 1]
+        if max_decodes is not None:
+            decodes = decodes[:max_decodes]
         budget = self.budget.max_tokens_for(len(decodes),
                                             decode_context_tokens=sum(len(s.tokens) for s in decodes))
         chunk_limit = getattr(self.budget, "chunk_limit", None)
@@ -293,6 +321,9 @@ class Scheduler:
         # 2. prompt chunks in arrival order: partially prefilled running sequences first, then waiting ones
         #    (not after a preemption in this step: memory is short, re-admitting would only thrash).
         num_decodes_in_batch = len(out)
+        if prompt_tokens is not None:
+            budget = used + prompt_tokens
+            chunk_limit = None
         partial = [s for s in self.running if id(s) not in in_batch and s.remaining > 1]
         for seq in partial + list(self.waiting):
             if used >= budget or len(out) >= cfg.max_num_seqs:

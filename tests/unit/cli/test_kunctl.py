@@ -183,6 +183,23 @@ def test_status_groups():
     ]
 
 
+def test_groups_show_their_pipeline_bubble():
+    """A group had work for its head's busy + bubble seconds (10 s); its two members computed 8 s and 6 s of
+    that: 30% of the group's stage time was bubble. A whole instance shows its own bubble ratio."""
+    status = admin_pb2.AdminStatus(cluster=monitor_pb2.ClusterStatus(workers=[
+        stats("w1", 0, 2, "g1", ["w1", "w0"], 2400, serving=True, busy_seconds_total=8.0, bubble_seconds_total=2.0),
+        stats("w0", 2, 4, "g1", ["w1", "w0"], 2400, busy_seconds_total=6.0, bubble_seconds_total=0.0),
+        stats("w2", 0, 4, "w2", ["w2"], 1000, serving=True, busy_seconds_total=9.0, bubble_seconds_total=1.0,
+              bubble_ratio=0.1),
+        stats("w3", 0, 4, "w3", ["w3"], 1000, serving=True),  # never had work: no ratio
+    ]))
+    g1, w2, w3 = status_groups(status)
+    assert g1.bubble_ratio == pytest.approx(0.3) and w2.bubble_ratio == pytest.approx(0.1) and w3.bubble_ratio is None
+    assert format_groups(status)[0] == ("g1 (pipeline group of 2, serving): w1 [0, 2) -> w0 [2, 4); KV capacity "
+                                        "2400 blocks, undropped 2000; bubble 30.0%")
+    assert kunctl.group_bubble_ratio(["w1", "gone"], {"w1": status.cluster.workers[0].stats}) is None
+
+
 def test_render_status_shows_groups_serving_and_epoch(capsys):
     kunctl.render_status(admin_status())
     out = capsys.readouterr().out

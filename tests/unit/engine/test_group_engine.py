@@ -26,6 +26,8 @@ from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable
 from kunserve.shared.model.architecture import TINY_CONFIG
 from kunserve.shared.model.reference import reference_scores
 from kunserve.shared.policy.batch_scheduler import Scheduler, Sequence
+from kunserve.shared.policy.costmodel import KunServeCostModel
+from kunserve.shared.policy.microbatch import DecodeSplit, MicrobatchFormer, token_microbatches
 
 CFG = TINY_CONFIG  # 4 layers
 BS = 8
@@ -228,6 +230,120 @@ def test_abort_of_the_only_request_in_flight_lets_the_engine_go_idle():
         assert eng.step() == []
     assert not eng.has_work()
     assert not eng.scheduler.pinned and not link.outstanding
+
+
+# -- how the head forms microbatches: decodes spread over the microbatches in flight, lookahead on a long queue --
+
+def make_recording_group(seed: int = 0, num_blocks: int = 400, sched: SchedulerConfig = SCHED,
+                         former: MicrobatchFormer | None = None,
+                         split: str = "on") -> tuple[Engine, FakeLink, list[tuple[int, list]]]:
+    """A 2-stage group whose head records each microbatch it ships: (decodes, [(request, start, tokens) of its
+    prompt chunks]). A decode is a chunk of a request that has generated tokens already. `split`: the head's
+    DecodeSplit mode (fixed here: "auto" depends on timing)."""
+    w = weights_for(CFG)
+    eng = make_whole(num_blocks, sched)
+    eng.use_weights(w, STAGE_RANGES[2][0])
+    link = FakeLink(w, STAGE_RANGES[2], 2, seed, num_blocks)
+    eng.become_head(link, num_blocks, [])
+    eng.former = former
+    eng.decode_split = DecodeSplit(split)
+    shipped: list[tuple[int, list]] = []
+    schedule = eng._next_microbatch
+
+    def recording(inflight: int):
+        chunks = schedule(inflight)
+        if chunks:
+            shipped.append((sum(1 for c in chunks if c.seq.generated),
+                            [(c.seq.request_id, c.start, c.num_tokens) for c in chunks if not c.seq.generated]))
+        return chunks
+
+    eng._next_microbatch = recording
+    return eng, link, shipped
+
+
+COST = KunServeCostModel(alpha=2e-7, beta=1e-4, gamma=1e-3, lam=5e-4)
+
+
+def long_queue(n: int = 6, seed: int = 21, max_tokens: int = 12) -> list[EngineRequest]:
+    rng = random.Random(seed)
+    return [EngineRequest(f"q{i}", [rng.randrange(258, CFG.vocab_size) for _ in range(rng.randint(40, 160))],
+                          SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for i in range(n)]
+
+
+def test_pure_decode_is_split_across_the_microbatches_in_flight_or_not():
+    """Six requests decoding in a 2-stage group with two microbatches in flight: each microbatch carries half of
+    them (ceil(6 / 2) at most, not all six in one and none in the other), so both stages have a microbatch to
+    run; tokens as the whole engine's."""
+    reqs = long_queue(max_tokens=16)
+    single = drive(make_whole(400), reqs)
+    eng, link, shipped = make_recording_group(seed=3)
+    assert drive(eng, reqs) == single
+    assert max(d for d, _ in shipped) == 3
+    pure = [d for d, prompts in shipped if not prompts]
+    assert sum(d == 3 for d in pure) >= 6, "while all six decode, each microbatch carries three"
+    assert link.max_outstanding == 2
+    whole, _, shipped = make_recording_group(seed=3, split="off")  # the stages take turns: all six in one
+    assert drive(whole, reqs) == single
+    assert max(d for d, _ in shipped) == 6
+
+
+def test_the_head_ships_the_lookahead_plan_on_a_long_queue():
+    """A queue of 6 long prompts (far more than one microbatch's 40 tokens): the head's microbatches carry
+    exactly the lookahead formulation's cost-balanced cuts of the whole queue, and the tokens are the whole
+    engine's."""
+    reqs = long_queue()
+    single = drive(make_whole(400), reqs)
+    former = MicrobatchFormer(COST)
+    eng, link, shipped = make_recording_group(seed=5, former=former)
+    for r in reqs:
+        eng.add_request(clone(r))
+    budget = eng.scheduler.budget.max_tokens_for(0) - eng.scheduler.decode_share(link.max_inflight)
+    items = eng.scheduler.prompt_work()
+    assert former.uses_lookahead(items, budget)
+    plan = former.form(items, budget)
+    assert plan != token_microbatches(items, budget), "the cost model cuts the queue differently from chunking"
+    events: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    while eng.has_work():
+        for ev in eng.step():
+            events[ev.request_id].append(ev.token_id)
+    assert events == single
+    prompts = [p for _, p in shipped if p]
+    assert prompts[:len(plan)] == [[(c.request_id, c.start, c.num_tokens) for c in mb] for mb in plan]
+    assert eng.planned_microbatches == len(plan)
+
+
+@pytest.mark.parametrize("former", [None, MicrobatchFormer(None), MicrobatchFormer(COST, lookahead=False)],
+                         ids=["no-former", "no-cost-model", "lookahead-off"])
+def test_the_head_chunks_by_tokens_without_a_cost_model_or_with_lookahead_off(former):
+    reqs = long_queue()
+    ref, _, ref_shipped = make_recording_group(seed=7)
+    got, _, shipped = make_recording_group(seed=7, former=former)
+    assert drive(got, reqs) == drive(ref, reqs) == drive(make_whole(400), reqs)
+    assert shipped == ref_shipped and got.planned_microbatches == 0
+    assert max(sum(n for _, _, n in prompts) + d for d, prompts in shipped) <= 40  # the token budget
+
+
+def test_a_short_queue_is_chunked_and_a_plan_gone_stale_is_dropped():
+    """One microbatch's worth of prompt tokens: nothing to plan. A request aborted mid-plan: the next microbatch
+    does not come out as planned, so the head drops the rest of the plan and chunks; tokens unchanged."""
+    former = MicrobatchFormer(COST)
+    eng, _, _ = make_recording_group(seed=2, former=former)
+    short = EngineRequest("s", list(range(300, 330)), SamplingParams(max_tokens=4, ignore_eos=True))
+    assert drive(eng, [short]) == drive(make_whole(400), [short]) and eng.planned_microbatches == 0
+    reqs = long_queue(seed=4)
+    single = drive(make_whole(400), reqs[1:])
+    eng, _, _ = make_recording_group(seed=2, former=former)
+    for r in reqs:
+        eng.add_request(clone(r))
+    eng.step()
+    assert eng.planned_microbatches == 1 and eng._plan
+    eng.abort("q0")
+    events: dict[str, list[int]] = {r.request_id: [] for r in reqs[1:]}
+    while eng.has_work():
+        for ev in eng.step():
+            events[ev.request_id].append(ev.token_id)
+    assert events == single
+    assert not eng._plan and eng.allocator.num_used == 0
 
 
 # -- snapshot / clear / install -------------------------------------------------------------------------------

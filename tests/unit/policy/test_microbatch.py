@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kunserve.shared.policy.costmodel import KunServeCostModel
 from kunserve.shared.policy.microbatch import (
+    DecodeSplit,
     MicrobatchFormer,
     MicroChunk,
     WorkItem,
@@ -125,11 +126,69 @@ def test_bad_input():
     assert lookahead_microbatches([], MODEL, min_tokens=4) == []
 
 
-def test_former_falls_back_to_token_chunking_on_a_short_queue():
-    f = MicrobatchFormer(MODEL, min_tokens=64, chunk_tokens=100)
-    short = [WorkItem("a", 200)]
+def test_former_looks_ahead_only_on_a_queue_longer_than_one_microbatch():
+    f = MicrobatchFormer(MODEL)
+    short = [WorkItem("a", 60), WorkItem("b", 40)]  # exactly one microbatch's budget: nothing to balance
     long = [WorkItem(f"r{i}", 200, i * 10) for i in range(8)]
-    assert not f.uses_lookahead(short) and f.form(short) == token_microbatches(short, 100)
-    assert f.uses_lookahead(long) and len(f.form(long)) == 1600 // 64
-    assert not MicrobatchFormer(None).uses_lookahead(long)  # no cost model: token counts
-    assert not MicrobatchFormer(MODEL, lookahead=False).uses_lookahead(long)
+    assert not f.uses_lookahead(short, 100) and f.form(short, 100) == token_microbatches(short, 100)
+    assert f.uses_lookahead(long, 100)
+    mbs = f.form(long, 100)
+    assert len(mbs) == 16 and mbs == lookahead_microbatches(long, MODEL, min_tokens=100, num_microbatches=16)
+    assert len(f.form(long, 150)) == 11  # ceil(1600 / 150): on average no larger than a chunked microbatch
+    for off in (MicrobatchFormer(None), MicrobatchFormer(MODEL, lookahead=False)):  # no cost model; the ablation
+        assert not off.uses_lookahead(long, 100) and off.form(long, 100) == token_microbatches(long, 100)
+
+
+class DecodeRun:
+    """Feeds a DecodeSplit as a head would: one observation per sampled microbatch, on a fake clock; each arm
+    decodes `decoding` requests at its own TPOT."""
+
+    def __init__(self, ds: DecodeSplit, tpot: dict[bool, float], decoding: int = 8) -> None:
+        self.ds, self.tpot, self.decoding, self.now = ds, tpot, decoding, 0.0
+
+    def run(self, seconds: float) -> list[bool]:
+        arms = []
+        end = self.now + seconds
+        while self.now < end:
+            split = self.ds.split
+            per_mb = self.decoding // 2 if split else self.decoding  # tokens sampled per microbatch
+            self.now += self.tpot[split] * per_mb / self.decoding
+            self.ds.observe(self.now, per_mb, self.decoding)
+            arms.append(split)
+        return arms
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_decode_split_keeps_the_arm_that_decodes_faster(faster):
+    ds = DecodeSplit(window_s=0.1, hold_windows=5)
+    run = DecodeRun(ds, {faster: 0.010, not faster: 0.015})
+    run.run(0.1)  # a window measuring split, then one measuring whole
+    run.run(0.12)
+    held = run.run(0.4)
+    assert held and all(a == faster for a in held[2:])
+
+
+def test_decode_split_measures_again_after_holding():
+    ds = DecodeSplit(window_s=0.1, hold_windows=3)
+    run = DecodeRun(ds, {True: 0.015, False: 0.010})
+    arms = run.run(2.0)  # windows of 0.1 s: measure 2, hold 3, measure 2, ...
+    switches = sum(a != b for a, b in zip(arms, arms[1:]))
+    assert switches >= 5, "split -> whole (measure) -> held -> split (measure again) -> whole ..."
+    run.tpot = {True: 0.010, False: 0.015}  # the load changed: splitting pays now
+    assert all(run.run(1.0)[-5:])
+
+
+def test_decode_split_ignores_single_requests_and_pauses_and_fixed_modes():
+    ds = DecodeSplit(window_s=0.1)
+    for k in range(100):
+        ds.observe(k * 0.01, 1, 1)  # one request decoding: nothing to split, nothing measured
+    assert ds.split and ds._phase == 0
+    for k in range(20):
+        ds.observe(10.0 + k * 0.2, 8, 8)  # every gap longer than a window: idle, never a full window
+    assert ds.split and ds._phase == 0
+    for mode, split in (("on", True), ("off", False)):
+        fixed = DecodeSplit(mode)
+        DecodeRun(fixed, {True: 0.5, False: 0.001}).run(5.0)
+        assert fixed.split is split
+    with pytest.raises(ValueError):
+        DecodeSplit("sometimes")
