@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 
 import grpc
 import pytest
-from helpers import admin_channel, check_against_reference, internal_channel, make_config, run
+from drop_scenarios import check_all, drop_pair, drop_then_kill, generate_all, memory_manager, prompts_for, wait_tokens
+from helpers import internal_channel, make_config, run
 
-from kunserve import client
 from kunserve.cli.launcher import LocalCluster, free_port
-from kunserve.v1 import common_pb2, memory_manager_pb2, memory_manager_pb2_grpc
+from kunserve.v1 import common_pb2, memory_manager_pb2
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,48 +28,6 @@ def cluster4(tmp_path_factory):
     c.start(timeout_s=180)
     yield c
     c.stop()
-
-
-def _prompts(n: int, seed: int, lo: int = 8, hi: int = 40) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(4, 4000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
-
-
-@contextlib.asynccontextmanager
-async def _mm(c: LocalCluster):
-    """A MemoryManager stub on a channel that is closed afterwards."""
-    async with admin_channel(c) as ch:
-        yield memory_manager_pb2_grpc.MemoryManagerStub(ch)
-
-
-async def _generate_all(c: LocalCluster, prompts, max_tokens: int, progress: dict):
-    async with client.insecure_channel(c.cfg.dispatcher.address) as ch:
-        async def one(i, p):
-            def seen(ev):
-                progress[i] = progress.get(i, 0) + (ev.token_id >= 0)
-            return await client.generate(ch, client.make_request(p, request_id=f"r{i}", max_tokens=max_tokens),
-                                         timeout=240, on_event=seen)
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-
-
-async def _wait_tokens(progress: dict, n: int, at_least: int, gen: asyncio.Task, timeout: float = 120,
-                       since: dict | None = None) -> None:
-    """Until n requests produced at_least tokens (counting from the `since` snapshot). Fails at once when the
-    generation `gen` has already ended: the step the test is about would then not be mid-decode."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    since = since or {}
-    while sum(1 for k, v in progress.items() if v - since.get(k, 0) >= at_least) < n:
-        if gen.done():
-            gen.result()  # a generation that failed raises its own error here
-            raise AssertionError(f"the requests ended before the test's step: {progress} (since {since})")
-        assert loop.time() < end, f"requests made no progress: {progress} (since {since})"
-        await asyncio.sleep(0.05)
-
-
-def _check(prompts, results, max_tokens):
-    for p, r in zip(prompts, results):
-        check_against_reference(p, r.token_ids, max_tokens)
 
 
 def test_workers_link_their_transfer_services_before_any_drop(cluster4):
@@ -110,14 +67,14 @@ def test_workers_link_their_transfer_services_before_any_drop(cluster4):
 
 
 def test_drop_then_restore_mid_decode_keeps_greedy_tokens(cluster4):
-    prompts = _prompts(12, seed=1)
+    prompts = prompts_for(12, seed=1)
     max_tokens = 128  # the restore must find them still decoding, however long the drop took
 
     async def go():
         progress: dict = {}
-        gen = asyncio.create_task(_generate_all(cluster4, prompts, max_tokens, progress))
-        await _wait_tokens(progress, len(prompts), 3, gen)
-        async with _mm(cluster4) as mm:
+        gen = asyncio.create_task(generate_all(cluster4, prompts, max_tokens, progress))
+        await wait_tokens(progress, len(prompts), 3, gen)
+        async with memory_manager(cluster4) as mm:
             drop = await mm.Drop(memory_manager_pb2.DropRequest(groups=[
                 memory_manager_pb2.GroupMembers(worker_ids=["worker-0", "worker-1"]),
                 memory_manager_pb2.GroupMembers(worker_ids=["worker-2", "worker-3"])], reason="manual"), timeout=120)
@@ -127,7 +84,7 @@ def test_drop_then_restore_mid_decode_keeps_greedy_tokens(cluster4):
             ranges = {w.worker_id: (w.layer_start, w.layer_end, w.group_id) for w in layout.workers}
             assert ranges["worker-0"][:2] == (0, 2) and ranges["worker-1"][:2] == (2, 4)
             assert ranges["worker-0"][2] == ranges["worker-1"][2] == "worker-0+worker-1"
-            await _wait_tokens(progress, 2, 3, gen, since=dict(progress))  # the pipeline groups decode
+            await wait_tokens(progress, 2, 3, gen, since=dict(progress))  # the pipeline groups decode
             restore = await mm.Restore(memory_manager_pb2.RestoreRequest(), timeout=120)
             assert restore.completed, restore.error
             assert restore.epoch > drop.epoch
@@ -136,12 +93,12 @@ def test_drop_then_restore_mid_decode_keeps_greedy_tokens(cluster4):
         return drop, restore, await gen
 
     drop, restore, results = run(go(), timeout=280)
-    _check(prompts, results, max_tokens)
+    check_all(prompts, results, max_tokens)
 
 
 def test_drop_bad_input_is_refused_and_layout_unchanged(cluster4):
     async def go():
-        async with _mm(cluster4) as mm:
+        async with memory_manager(cluster4) as mm:
             epoch = (await mm.GetLayout(common_pb2.Empty(), timeout=10)).epoch
             codes = []
             for groups in (["worker-0", "nope"], ["worker-0"], ["worker-0", "worker-0"]):
@@ -185,46 +142,30 @@ async def _worker_epochs(c: LocalCluster) -> dict[str, int]:
     return out
 
 
-async def _drop_pair(c: LocalCluster):
-    async with _mm(c) as mm:
-        return await mm.Drop(memory_manager_pb2.DropRequest(groups=[
-            memory_manager_pb2.GroupMembers(worker_ids=["worker-0", "worker-1"])]), timeout=120)
-
-
 @pytest.mark.parametrize("victim", ["worker-1", "worker-0"])
 def test_killing_a_group_member_mid_decode_loses_no_request(tmp_path, victim):
     """Stage killed: the head heals (restores every layer from its host copy) and re-prefills its requests.
     Head killed: the dispatcher resumes its requests on the survivor, which healed to a whole instance."""
     c = _fault_cluster(tmp_path)
-    prompts = _prompts(8, seed=3)
+    prompts = prompts_for(8, seed=3)
     max_tokens = 160  # still decoding when the drop's RPC returns (up to 0.6 s seen on a busy machine)
     try:
-        async def go():
-            progress: dict = {}
-            gen = asyncio.create_task(_generate_all(c, prompts, max_tokens, progress))
-            await _wait_tokens(progress, len(prompts), 2, gen)
-            drop = await _drop_pair(c)
-            assert drop.completed, drop.error
-            await _wait_tokens(progress, 2, 2, gen, since=dict(progress))
-            c.kill(victim)
-            return await gen
-
-        results = run(go(), timeout=280)
+        results = run(drop_then_kill(c, prompts, max_tokens, victim), timeout=280)
     finally:
         c.stop()
-    _check(prompts, results, max_tokens)
+    check_all(prompts, results, max_tokens)
 
 
 def test_worker_dying_during_the_kv_exchange_rolls_back_and_loses_no_request(tmp_path):
     c = _fault_cluster(tmp_path, env={"KUNSERVE_FAULT": "die_in_exchange:worker-1"})
-    prompts = _prompts(8, seed=4)
+    prompts = prompts_for(8, seed=4)
     max_tokens = 32
     try:
         async def go():
             progress: dict = {}
-            gen = asyncio.create_task(_generate_all(c, prompts, max_tokens, progress))
-            await _wait_tokens(progress, len(prompts), 2, gen)
-            drop = await _drop_pair(c)
+            gen = asyncio.create_task(generate_all(c, prompts, max_tokens, progress))
+            await wait_tokens(progress, len(prompts), 2, gen)
+            drop = await drop_pair(c)
             return drop, await gen
 
         drop, results = run(go(), timeout=280)
@@ -232,7 +173,7 @@ def test_worker_dying_during_the_kv_exchange_rolls_back_and_loses_no_request(tmp
         c.stop()
     assert not drop.completed and drop.rolled_back
     assert "worker-1" in drop.error
-    _check(prompts, results, max_tokens)
+    check_all(prompts, results, max_tokens)
 
 
 def test_a_burst_that_overflows_kv_memory_drops_automatically(tmp_path):
@@ -244,16 +185,16 @@ def test_a_burst_that_overflows_kv_memory_drops_automatically(tmp_path):
     cfg.dispatcher.route_timeout_s = 60.0
     c = LocalCluster(cfg, run_dir=tmp_path)
     c.start(timeout_s=180)
-    prompts = _prompts(20, seed=5, lo=180, hi=220)
+    prompts = prompts_for(20, seed=5, lo=180, hi=220)
     max_tokens = 48
     try:
         async def go():
             from kunserve.v1 import worker_pb2_grpc
 
             progress: dict = {}
-            gen = asyncio.create_task(_generate_all(c, prompts, max_tokens, progress))
+            gen = asyncio.create_task(generate_all(c, prompts, max_tokens, progress))
             waiting_after_ready = None
-            async with _mm(c) as mm:
+            async with memory_manager(c) as mm:
                 loop = asyncio.get_running_loop()
                 end = loop.time() + 120
                 group = None
@@ -279,7 +220,7 @@ def test_a_burst_that_overflows_kv_memory_drops_automatically(tmp_path):
     finally:
         c.stop()
     assert waiting == 0
-    _check(prompts, results, max_tokens)
+    check_all(prompts, results, max_tokens)
 
 
 # -- the baselines that share the machinery --------------------------------------------------------------
@@ -288,14 +229,14 @@ def test_a_burst_that_overflows_kv_memory_drops_automatically(tmp_path):
 def test_migrate_moves_running_requests_with_their_kv(cluster4):
     """The Llumnix-like baseline: requests move (KV and all) from one whole instance to another mid-decode
     and keep their reference tokens."""
-    prompts = _prompts(10, seed=6)
+    prompts = prompts_for(10, seed=6)
     max_tokens = 128
 
     async def go():
         progress: dict = {}
-        gen = asyncio.create_task(_generate_all(cluster4, prompts, max_tokens, progress))
-        await _wait_tokens(progress, len(prompts), 3, gen)
-        async with _mm(cluster4) as mm:
+        gen = asyncio.create_task(generate_all(cluster4, prompts, max_tokens, progress))
+        await wait_tokens(progress, len(prompts), 3, gen)
+        async with memory_manager(cluster4) as mm:
             rep = await mm.Migrate(memory_manager_pb2.MigrateRequest(src_worker="worker-0", dst_worker="worker-1",
                                                                      blocks=1000), timeout=120)
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -307,7 +248,7 @@ def test_migrate_moves_running_requests_with_their_kv(cluster4):
     assert rep.completed, rep.error
     assert rep.requests_moved > 0 and rep.kv_bytes_moved > 0
     assert bad == grpc.StatusCode.INVALID_ARGUMENT
-    _check(prompts, results, max_tokens)
+    check_all(prompts, results, max_tokens)
 
 
 def test_static_pp_serves_from_pairs_formed_at_start(tmp_path):
@@ -315,13 +256,13 @@ def test_static_pp_serves_from_pairs_formed_at_start(tmp_path):
     cfg.policy.overload = "static-pp"
     c = LocalCluster(cfg, run_dir=tmp_path)
     c.start(timeout_s=180)
-    prompts = _prompts(6, seed=7)
+    prompts = prompts_for(6, seed=7)
     try:
         async def go():
-            async with _mm(c) as mm:
+            async with memory_manager(c) as mm:
                 await asyncio.sleep(0.3)
                 layout = await mm.GetLayout(common_pb2.Empty(), timeout=10)
-            return layout, await _generate_all(c, prompts, 24, {})
+            return layout, await generate_all(c, prompts, 24, {})
 
         layout, results = run(go())
     finally:
@@ -329,21 +270,21 @@ def test_static_pp_serves_from_pairs_formed_at_start(tmp_path):
     assert {w.worker_id: (w.layer_start, w.layer_end) for w in layout.workers} == {"worker-0": (0, 2),
                                                                                    "worker-1": (2, 4)}
     assert all(r.worker_id == "worker-0" for r in results)  # the pair's head serves
-    _check(prompts, results, 24)
+    check_all(prompts, results, 24)
 
 
 def test_memory_manager_rebuilds_the_layout_after_a_restart(tmp_path):
     """The layout lives in the workers: a memory manager that crashed after a drop learns the group back from
     them, and can restore it."""
     c = _fault_cluster(tmp_path)
-    prompts = _prompts(4, seed=8)
+    prompts = prompts_for(4, seed=8)
     max_tokens = 24
     try:
         async def layout():
-            async with _mm(c) as mm:
+            async with memory_manager(c) as mm:
                 return await mm.GetLayout(common_pb2.Empty(), timeout=30)
 
-        drop = run(_drop_pair(c))
+        drop = run(drop_pair(c))
         assert drop.completed, drop.error
         before = run(layout())
         c.restart("memory-manager")
@@ -358,9 +299,9 @@ def test_memory_manager_rebuilds_the_layout_after_a_restart(tmp_path):
 
         async def restore_while_serving():
             progress: dict = {}
-            gen = asyncio.create_task(_generate_all(c, prompts, max_tokens, progress))
-            await _wait_tokens(progress, len(prompts), 2, gen)
-            async with _mm(c) as mm:
+            gen = asyncio.create_task(generate_all(c, prompts, max_tokens, progress))
+            await wait_tokens(progress, len(prompts), 2, gen)
+            async with memory_manager(c) as mm:
                 rep = await mm.Restore(memory_manager_pb2.RestoreRequest(), timeout=120)
             assert rep.completed, rep.error
             return await gen
@@ -370,4 +311,4 @@ def test_memory_manager_rebuilds_the_layout_after_a_restart(tmp_path):
         assert len({w.group_id for w in final.workers}) == 2 and final.epoch > after.epoch
     finally:
         c.stop()
-    _check(prompts, results, max_tokens)
+    check_all(prompts, results, max_tokens)

@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import pathlib
-import random
 
 import pytest
-from helpers import admin_channel, check_against_reference, internal_channel, make_config, run
+from drop_scenarios import check_all, drop_pair, drop_then_kill, generate_all, prompts_for, wait_tokens
+from helpers import admin_channel, internal_channel, make_config, run
 
-from kunserve import client
 from kunserve.cli.launcher import LocalCluster
 from kunserve.v1 import common_pb2, memory_manager_pb2, memory_manager_pb2_grpc, worker_pb2_grpc
 
@@ -34,40 +33,6 @@ def _cluster(tmp_path) -> LocalCluster:
     return c
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(4, 4000) for _ in range(rng.randrange(8, 40))] for _ in range(n)]
-
-
-async def _generate_all(c: LocalCluster, prompts, max_tokens: int, progress: dict):
-    async with client.insecure_channel(c.cfg.dispatcher.address) as ch:
-        async def one(i, p):
-            def seen(ev):
-                progress[i] = progress.get(i, 0) + (ev.token_id >= 0)
-            return await client.generate(ch, client.make_request(p, request_id=f"r{i}", max_tokens=max_tokens),
-                                         timeout=240, on_event=seen)
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-
-
-async def _wait_tokens(progress: dict, n: int, at_least: int, gen: asyncio.Task, since: dict | None = None) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + 120
-    since = since or {}
-    while sum(1 for k, v in progress.items() if v - since.get(k, 0) >= at_least) < n:
-        if gen.done():
-            gen.result()
-            raise AssertionError(f"the requests ended before the test's step: {progress}")
-        assert loop.time() < end, f"requests made no progress: {progress}"
-        await asyncio.sleep(0.05)
-
-
-async def _drop_pair(c: LocalCluster) -> memory_manager_pb2.TransitionReport:
-    async with admin_channel(c) as ch:
-        mm = memory_manager_pb2_grpc.MemoryManagerStub(ch)
-        return await mm.Drop(memory_manager_pb2.DropRequest(groups=[
-            memory_manager_pb2.GroupMembers(worker_ids=[W0, W1])], reason="manual"), timeout=120)
-
-
 def _restored(logs: dict[str, pathlib.Path], worker: str) -> list[dict]:
     """The worker's `weights_restored` log events: which layers came from where."""
     out = []
@@ -81,15 +46,10 @@ def _restored(logs: dict[str, pathlib.Path], worker: str) -> list[dict]:
     return out
 
 
-def _check(prompts, results, max_tokens: int) -> None:
-    for p, r in zip(prompts, results):
-        check_against_reference(p, r.token_ids, max_tokens)
-
-
 def test_restore_pulls_the_missing_layers_from_the_peer_without_a_host_copy(tmp_path):
     c = _cluster(tmp_path)
     logs = {w: c.child(w).log_path for w in (W0, W1)}
-    prompts = _prompts(8, seed=11)
+    prompts = prompts_for(8, seed=11)
     max_tokens = 128
     try:
         async def go():
@@ -97,11 +57,11 @@ def test_restore_pulls_the_missing_layers_from_the_peer_without_a_host_copy(tmp_
                 mem = await worker_pb2_grpc.WorkerStub(ch).GetMemoryMap(common_pb2.Empty(), timeout=10)
             assert mem.host_copy_bytes == 0, "engine.host_copy = false keeps no DRAM copy of the model"
             progress: dict = {}
-            gen = asyncio.create_task(_generate_all(c, prompts, max_tokens, progress))
-            await _wait_tokens(progress, len(prompts), 3, gen)
-            drop = await _drop_pair(c)
+            gen = asyncio.create_task(generate_all(c, prompts, max_tokens, progress))
+            await wait_tokens(progress, len(prompts), 3, gen)
+            drop = await drop_pair(c)
             assert drop.completed, drop.error
-            await _wait_tokens(progress, 2, 3, gen, since=dict(progress))  # the pair decodes
+            await wait_tokens(progress, 2, 3, gen, since=dict(progress))  # the pair decodes
             async with admin_channel(c) as ch:
                 mm = memory_manager_pb2_grpc.MemoryManagerStub(ch)
                 restore = await mm.Restore(memory_manager_pb2.RestoreRequest(), timeout=120)
@@ -113,7 +73,7 @@ def test_restore_pulls_the_missing_layers_from_the_peer_without_a_host_copy(tmp_
         results = run(go(), timeout=280)
     finally:
         c.stop()
-    _check(prompts, results, max_tokens)
+    check_all(prompts, results, max_tokens)
     for me, peer in ((W0, W1), (W1, W0)):
         sources = {ev["source"] for ev in _restored(logs, me)}
         assert sources == {f"peer:{peer}"}, (me, _restored(logs, me))
@@ -124,22 +84,12 @@ def test_a_peer_killed_before_the_restore_leaves_the_survivor_to_the_checkpoint(
     copy, no peer left), re-prefills its requests, and every one keeps its greedy tokens."""
     c = _cluster(tmp_path)
     logs = {w: c.child(w).log_path for w in (W0, W1)}
-    prompts = _prompts(6, seed=12)
+    prompts = prompts_for(6, seed=12)
     max_tokens = 160
     try:
-        async def go():
-            progress: dict = {}
-            gen = asyncio.create_task(_generate_all(c, prompts, max_tokens, progress))
-            await _wait_tokens(progress, len(prompts), 2, gen)
-            drop = await _drop_pair(c)
-            assert drop.completed, drop.error
-            await _wait_tokens(progress, 2, 2, gen, since=dict(progress))
-            c.kill(W1)
-            return await gen
-
-        results = run(go(), timeout=280)
+        results = run(drop_then_kill(c, prompts, max_tokens, W1), timeout=280)
     finally:
         c.stop()
-    _check(prompts, results, max_tokens)
+    check_all(prompts, results, max_tokens)
     events = _restored(logs, W0)
     assert [ev["source"] for ev in events] == ["checkpoint"] and events[0]["layers"] == [2, 3], events

@@ -1,0 +1,76 @@
+"""What the drop / restore integration tests share: seeded prompts, a greedy generation that reports its progress,
+waiting for mid-decode, a pair drop, and the reference check of every result."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+
+from helpers import admin_channel, check_against_reference
+
+from kunserve import client
+from kunserve.cli.launcher import LocalCluster
+from kunserve.v1 import memory_manager_pb2, memory_manager_pb2_grpc
+
+
+def prompts_for(n: int, seed: int, lo: int = 8, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 4000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+@contextlib.asynccontextmanager
+async def memory_manager(c: LocalCluster):
+    """A MemoryManager stub on a channel that is closed afterwards."""
+    async with admin_channel(c) as ch:
+        yield memory_manager_pb2_grpc.MemoryManagerStub(ch)
+
+
+async def generate_all(c: LocalCluster, prompts, max_tokens: int, progress: dict):
+    """Greedy generations of every prompt at once; progress[i] counts request i's tokens as they arrive."""
+    async with client.insecure_channel(c.cfg.dispatcher.address) as ch:
+        async def one(i, p):
+            def seen(ev):
+                progress[i] = progress.get(i, 0) + (ev.token_id >= 0)
+            return await client.generate(ch, client.make_request(p, request_id=f"r{i}", max_tokens=max_tokens),
+                                         timeout=240, on_event=seen)
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+async def wait_tokens(progress: dict, n: int, at_least: int, gen: asyncio.Task, timeout: float = 120,
+                      since: dict | None = None) -> None:
+    """Until n requests produced at_least tokens (counting from the `since` snapshot). Fails at once when the
+    generation `gen` has already ended: the step the test is about would then not be mid-decode."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    since = since or {}
+    while sum(1 for k, v in progress.items() if v - since.get(k, 0) >= at_least) < n:
+        if gen.done():
+            gen.result()  # a generation that failed raises its own error here
+            raise AssertionError(f"the requests ended before the test's step: {progress} (since {since})")
+        assert loop.time() < end, f"requests made no progress: {progress} (since {since})"
+        await asyncio.sleep(0.05)
+
+
+async def drop_pair(c: LocalCluster, head: str = "worker-0", stage: str = "worker-1"):
+    async with memory_manager(c) as mm:
+        return await mm.Drop(memory_manager_pb2.DropRequest(groups=[
+            memory_manager_pb2.GroupMembers(worker_ids=[head, stage])], reason="manual"), timeout=120)
+
+
+async def drop_then_kill(c: LocalCluster, prompts, max_tokens: int, victim: str):
+    """Stream every prompt, drop worker-0 + worker-1 into a pair mid-decode, kill `victim` while the pair
+    decodes: the results of every request."""
+    progress: dict = {}
+    gen = asyncio.create_task(generate_all(c, prompts, max_tokens, progress))
+    await wait_tokens(progress, len(prompts), 2, gen)
+    drop = await drop_pair(c)
+    assert drop.completed, drop.error
+    await wait_tokens(progress, 2, 2, gen, since=dict(progress))
+    c.kill(victim)
+    return await gen
+
+
+def check_all(prompts, results, max_tokens: int) -> None:
+    for p, r in zip(prompts, results):
+        check_against_reference(p, r.token_ids, max_tokens)
