@@ -2,9 +2,9 @@
 
 A fixed trace overloads a slow CPU and not a fast one: how much KV memory a burst needs depends on how long
 each request stays in flight, which is the machine's prefill and decode speed. So `bench compare` measures
-those speeds (a probe, or a cost-model profile), reads the cluster's undropped KV capacity, and picks the
-burst so that the trace's *peak KV demand* is a chosen multiple of that capacity (KunServe's regime: beyond
-what the instances hold, within what a drop frees).
+those speeds (a probe, or a cost-model profile), reads the cluster's undropped KV capacity, and picks each
+burst's factor so that the trace's *peak KV demand* over that burst is a chosen multiple of that capacity
+(KunServe's regime: beyond what the instances hold, within what a drop frees).
 
 Peak KV demand (:func:`peak_kv_demand`) is the largest, over time, of the sum over the requests in flight of
 their prompt plus the tokens generated so far, where a request is in flight from its arrival until it would
@@ -20,6 +20,7 @@ clocks, no I/O.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -79,20 +80,22 @@ class PeakDemand:
     at_s: float      # when (trace time); 0 for an empty trace
 
 
-def peak_kv_demand(trace: Sequence[TraceRequest], speeds: Speeds) -> PeakDemand:
-    """The trace's peak KV demand at these speeds, in tokens (see the module docstring).
+def peak_kv_demand(trace: Sequence[TraceRequest], speeds: Speeds, *, start_s: float = -math.inf,
+                   end_s: float = math.inf) -> PeakDemand:
+    """The trace's peak KV demand at these speeds, in tokens (see the module docstring), over the times t with
+    ``start_s < t <= end_s`` (the whole trace by default; PeakDemand(0, start_s) when nothing is in flight there).
 
     Request i arrives at a_i holding its prompt p_i, finishes its prefill at e_i = a_i + p_i / prefill rate
     (first token), then gains one token per ``tpot_s`` until it has all o_i, at f_i = e_i + (o_i - 1) tpot_s,
     when it leaves with p_i + o_i. Between two departures every request in flight only grows and arrivals
-    only add, so the peak is the total just before some departure: a sweep over the sorted events evaluates
-    it there (a request counts when a_i < t <= f_i, its decode share when e_i < t).
+    only add, so the peak is the total just before some departure, or at ``end_s``: a sweep over the sorted
+    events evaluates it there (a request counts when a_i < t <= f_i, its decode share when e_i < t).
     """
     if not trace:
         return PeakDemand(0.0, 0.0)
     rate, tpot = speeds.prefill_tokens_per_s, speeds.tpot_s
-    # (time, order, kind, prompt, prefill end): at one instant the departures are evaluated first (their left
-    # limit), then removed, then arrivals and prefill ends at that instant join.
+    # (time, order, kind, prompt, prefill end): at one instant the departures (and the window's end) are
+    # evaluated first (their left limit), then removed, then arrivals and prefill ends at that instant join.
     events: list[tuple[float, int, int, float, float]] = []
     for r in trace:
         end = r.arrival_s + r.prompt_tokens / rate
@@ -101,22 +104,29 @@ def peak_kv_demand(trace: Sequence[TraceRequest], speeds: Speeds) -> PeakDemand:
         if r.output_tokens > 1:
             events.append((end, 2, 1, r.prompt_tokens, end))
         events.append((finish, 0, 2, r.prompt_tokens, end if r.output_tokens > 1 else math.nan))
+    if math.isfinite(end_s):
+        events.append((end_s, -1, 3, 0.0, math.nan))
     events.sort(key=lambda e: (e[0], e[1]))
     prompts = 0.0      # sum of p_i in flight
     decoding = 0       # requests past their prefill end
     ends = 0.0         # sum of their e_i
-    best = PeakDemand(0.0, 0.0)
+    best = PeakDemand(0.0, 0.0 if math.isinf(start_s) else start_s)
     for t, _, kind, p, end in events:
+        if t > end_s:
+            break
         if kind == 0:
             prompts += p
         elif kind == 1:
             decoding += 1
             ends += end
         else:
-            # generated_i(t) = 1 + (t - e_i) / tpot for each decoding request
-            total = prompts + decoding * (1.0 + t / tpot) - ends / tpot
-            if total > best.tokens:
-                best = PeakDemand(total, t)
+            if t > start_s:
+                # generated_i(t) = 1 + (t - e_i) / tpot for each decoding request
+                total = prompts + decoding * (1.0 + t / tpot) - ends / tpot
+                if total > best.tokens:
+                    best = PeakDemand(total, t)
+            if kind == 3:
+                continue
             prompts -= p
             if not math.isnan(end):
                 decoding -= 1
@@ -125,20 +135,22 @@ def peak_kv_demand(trace: Sequence[TraceRequest], speeds: Speeds) -> PeakDemand:
 
 
 # -- calibration -----------------------------------------------------------------------------------------------
-MakeTrace = Callable[[float, float], Sequence[TraceRequest]]  # (rate, burst factor) -> trace
+MakeTrace = Callable[[float, Sequence[float]], Sequence[TraceRequest]]  # (rate, a factor per burst) -> trace
+Span = tuple[float, float]  # (start_s, end_s]: where one burst's peak demand is measured
 
 
 @dataclass(frozen=True)
 class Calibration:
     """The load the calibration chose and the demand it plans."""
 
-    rate: float                   # base arrival rate (requests/s)
-    burst_factor: float | None    # rate multiplier inside the burst window; None without a burst
-    capacity_tokens: int          # the cluster's undropped KV capacity
-    target: float                 # asked peak demand / capacity
-    planned_peak_tokens: float
+    rate: float                        # base arrival rate (requests/s)
+    burst_factors: tuple[float, ...]   # rate multiplier of each burst, in the order given; () without a burst
+    burst_ratios: tuple[float, ...]    # planned peak demand / capacity within each burst's span
+    capacity_tokens: int               # the cluster's undropped KV capacity
+    target: float                      # asked peak demand / capacity (of every burst)
+    planned_peak_tokens: float         # over the whole trace
     planned_peak_at_s: float
-    base_ratio: float | None      # peak demand / capacity of the base load alone (no burst); None without a burst
+    base_ratio: float | None           # peak demand / capacity of the base load alone (no burst); None without a burst
     requests: int
     speeds: Speeds
 
@@ -148,6 +160,7 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["burst_factors"], d["burst_ratios"] = list(self.burst_factors), list(self.burst_ratios)
         d["planned_ratio"] = self.planned_ratio
         return d
 
@@ -173,53 +186,69 @@ def _search(g: Callable[[float], float], lo: float, hi: float, target: float, *,
     return min(tried, key=lambda x: (abs(math.log(max(tried[x], 1e-12) / target)), x))
 
 
-def calibrate(make: MakeTrace, *, rate: float, burst_factor: float | None, speeds: Speeds, capacity_tokens: int,
-              target: float = DEFAULT_OVERLOAD) -> Calibration:
-    """Choose the load so the trace's peak KV demand is ``target`` x ``capacity_tokens``.
+def calibrate(make: MakeTrace, *, rate: float, burst_factors: Sequence[float] = (), spans: Sequence[Span] = (),
+              speeds: Speeds, capacity_tokens: int, target: float = DEFAULT_OVERLOAD) -> Calibration:
+    """Choose the load so each burst's peak KV demand is ``target`` x ``capacity_tokens``.
 
-    With a burst: first the base rate, lowered (never raised) until the trace without its burst stays under
-    ``min(BASE_LOAD_MAX, target / 2)`` of the capacity, then the burst factor in [1, BURST_FACTOR_MAX]. Without
-    a burst the rate itself, within [RATE_SCALE_MIN, BURST_FACTOR_MAX] x the given one. ``make(rate, factor)``
-    builds the trace (same seed, so the arrivals only get denser as either grows). CalibrationError when even
-    the largest load stays below the target.
+    ``make(rate, factors)`` builds the trace with one factor per burst (same seed, so the arrivals only get
+    denser as the rate or a factor grows); burst k's peak is measured over ``spans[k]``, from its start to where
+    the next burst's span begins (the last one's to the end of the trace), so that each burst is sized for what
+    it adds on top of what the earlier ones left in flight. With bursts: first the base rate, lowered (never
+    raised) until the trace without its bursts stays under ``min(BASE_LOAD_MAX, target / 2)`` of the capacity,
+    then each burst's factor in [1, BURST_FACTOR_MAX], in time order, the earlier ones fixed (a burst's arrivals
+    move every later arrival of the stream, never an earlier one). Without a burst the rate itself, within
+    [RATE_SCALE_MIN, BURST_FACTOR_MAX] x the given one. CalibrationError when even the largest load stays below
+    the target.
     """
     if not (math.isfinite(target) and target > 0):
         raise ValueError(f"target must be finite and > 0, got {target}")
     if capacity_tokens <= 0:
         raise ValueError(f"capacity_tokens must be > 0, got {capacity_tokens}")
+    if len(spans) != len(burst_factors):
+        raise ValueError(f"one span per burst: {len(burst_factors)} bursts, {len(spans)} spans")
+    n = len(burst_factors)
 
-    def ratio(r: float, factor: float) -> float:
-        return peak_kv_demand(make(r, factor), speeds).tokens / capacity_tokens
+    def ratio(r: float, factors: Sequence[float], span: Span = (-math.inf, math.inf)) -> float:
+        return peak_kv_demand(make(r, factors), speeds, start_s=span[0], end_s=span[1]).tokens / capacity_tokens
 
     base_ratio: float | None = None
-    if burst_factor is not None:
+    chosen: list[float] = []
+    if n:
+        calm = [1.0] * n
         base_max = min(BASE_LOAD_MAX, target / 2)
-        base_ratio = ratio(rate, 1.0)
+        base_ratio = ratio(rate, calm)
         if base_ratio > base_max:
             lowest = rate * RATE_SCALE_MIN
-            if ratio(lowest, 1.0) > base_max:
+            if ratio(lowest, calm) > base_max:
                 raise CalibrationError(f"even at {lowest:.3g} requests/s the trace without its burst needs "
-                                       f"{ratio(lowest, 1.0):.2f}x the KV capacity: shorten the lengths (--length-scale)")
-            rate = _search(lambda r: ratio(r, 1.0), lowest, rate, base_max, at_most=True)
-            base_ratio = ratio(rate, 1.0)
-        top = ratio(rate, BURST_FACTOR_MAX)
-        if top < target:
-            raise CalibrationError(f"even a {BURST_FACTOR_MAX:g}x burst needs only {top:.2f}x the KV capacity "
-                                   f"(target {target:g}x): lengthen the burst window (--burst) or the prompts "
-                                   "(--length-scale), or shrink the pool (--pool-mib)")
-        burst: float | None = _search(lambda f: ratio(rate, f), 1.0, BURST_FACTOR_MAX, target)
+                                       f"{ratio(lowest, calm):.2f}x the KV capacity: shorten the lengths (--length-scale)")
+            rate = _search(lambda r: ratio(r, calm), lowest, rate, base_max, at_most=True)
+            base_ratio = ratio(rate, calm)
+
+        def burst_ratio(k: int, factor: float) -> float:
+            """Burst k's peak over its span, the earlier bursts at their chosen factors, the later ones off."""
+            return ratio(rate, [*chosen, factor, *([1.0] * (n - k - 1))], spans[k])
+
+        for k, span in enumerate(spans):
+            top = burst_ratio(k, BURST_FACTOR_MAX)
+            if top < target:
+                which = f" (burst {k + 1} of {n}, from {span[0]:g} s)" if n > 1 else ""
+                raise CalibrationError(f"even a {BURST_FACTOR_MAX:g}x burst{which} needs only {top:.2f}x the KV "
+                                       f"capacity (target {target:g}x): lengthen the burst window (--burst) or the "
+                                       "prompts (--length-scale), or shrink the pool (--pool-mib)")
+            chosen.append(_search(functools.partial(burst_ratio, k), 1.0, BURST_FACTOR_MAX, target))
     else:
         lo, hi = rate * RATE_SCALE_MIN, rate * BURST_FACTOR_MAX
-        if ratio(hi, 1.0) < target:
-            raise CalibrationError(f"even {hi:.3g} requests/s needs only {ratio(hi, 1.0):.2f}x the KV capacity "
+        if ratio(hi, ()) < target:
+            raise CalibrationError(f"even {hi:.3g} requests/s needs only {ratio(hi, ()):.2f}x the KV capacity "
                                    f"(target {target:g}x): lengthen the trace (--duration) or the prompts (--length-scale)")
-        rate = _search(lambda r: ratio(r, 1.0), lo, hi, target)
-        burst = None
-    trace = make(rate, 1.0 if burst is None else burst)
+        rate = _search(lambda r: ratio(r, ()), lo, hi, target)
+    trace = make(rate, chosen)
     peak = peak_kv_demand(trace, speeds)
-    return Calibration(rate=rate, burst_factor=burst, capacity_tokens=capacity_tokens, target=target,
-                       planned_peak_tokens=peak.tokens, planned_peak_at_s=peak.at_s, base_ratio=base_ratio,
-                       requests=len(trace), speeds=speeds)
+    ratios = tuple(peak_kv_demand(trace, speeds, start_s=a, end_s=b).tokens / capacity_tokens for a, b in spans)
+    return Calibration(rate=rate, burst_factors=tuple(chosen), burst_ratios=ratios, capacity_tokens=capacity_tokens,
+                       target=target, planned_peak_tokens=peak.tokens, planned_peak_at_s=peak.at_s,
+                       base_ratio=base_ratio, requests=len(trace), speeds=speeds)
 
 
 # -- what a run saw ----------------------------------------------------------------------------------------------
@@ -279,5 +308,5 @@ def verdict(flags: Mapping[str, Sequence[bool | None]]) -> dict[str, Any]:
 
 
 __all__ = ["BASE_LOAD_MAX", "BURST_FACTOR_MAX", "Calibration", "CalibrationError", "DEFAULT_OVERLOAD", "NEAR_FULL_USAGE",
-           "NEVER_OVERLOADED", "OVERLOADED", "Observed", "PeakDemand", "Speeds", "UNKNOWN", "calibrate",
+           "NEVER_OVERLOADED", "OVERLOADED", "Observed", "PeakDemand", "Span", "Speeds", "UNKNOWN", "calibrate",
            "observed_overload", "peak_kv_demand", "speeds_from_cost_model", "verdict"]

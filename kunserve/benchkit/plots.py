@@ -1,6 +1,7 @@
 """PNG plots of bench results (matplotlib, headless Agg backend): the TTFT-over-time view of KunServe
-Fig. 12/16 (each request's TTFT at its send time, the cluster's KV usage on a second axis, drop periods
-shaded) and latency CDFs. Inputs are the JSON-able dicts `kunserve bench` writes, so a plot can be redrawn
+Fig. 12/16/17 (each request's TTFT at its send time; the burst windows, drops, restores and the moment
+requests start queueing marked; KV in use and KV capacity on a second axis; drop periods shaded) and latency
+CDFs. Inputs are the JSON-able dicts `kunserve bench` writes, so a plot can be redrawn
 from a saved result file.
 """
 
@@ -14,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 POLICY_COLORS = {"kunserve": "tab:green", "recompute": "tab:red", "swap": "tab:orange", "migrate": "tab:purple",
                  "static-pp": "tab:blue", "queue": "tab:gray"}
@@ -24,14 +26,44 @@ def _color(policy: str, i: int) -> str:
 
 
 def _timeline(ax, run: Mapping, title: str) -> None:
+    """Each request's TTFT at its send time, with what explains it: the burst windows (grey band along the top),
+    the drop state (shaded), each drop (green line) and restore (brown dashed line), the first moment a request
+    of each window queued (red dotted line) and the memory limit (purple dash-dot line; holds.py), and on a
+    second axis the KV in use and the KV capacity,
+    both as a share of the undropped capacity (a drop raises the capacity line, Fig. 17's memory limit)."""
     reqs = [r for r in run["requests"] if r.get("ttft_s") is not None]
     failed = [r for r in run["requests"] if r.get("ttft_s") is None]
     for start, end in run.get("drop_periods", []):
         ax.axvspan(start, max(end, start + 0.05), color="tab:green", alpha=0.15, lw=0)
+    holds = run.get("holds") or {}
+    seen: set[str] = set()
+
+    def once(label: str) -> str | None:
+        """The legend names each kind of mark once."""
+        first = label not in seen
+        seen.add(label)
+        return label if first else None
+
+    for w in holds.get("windows", []):
+        ax.axvspan(w["start_s"], w["end_s"], ymin=0.95, ymax=1.0, color="black", alpha=0.35, lw=0, label=once("burst"))
+        if w.get("onset_s") is not None:
+            ax.axvline(w["start_s"] + w["onset_s"], color="tab:red", ls=":", lw=1.2, label=once("queueing starts"))
+    windows = holds.get("windows", [])
+    if windows and holds.get("memory_hold_s") is not None and not holds.get("memory_held_through"):
+        ax.axvline(windows[0]["start_s"] + holds["memory_hold_s"], color="tab:purple", ls="-.", lw=1.2,
+                   label=once("KV full"))
+    for e in run.get("layout_events", []):
+        drop = e["op"] == "drop"
+        ax.axvline(e["t_s"], color="tab:green" if drop else "tab:brown", ls="-" if drop else "--", lw=1.2,
+                   label=once(e["op"]))
     if reqs:
         ax.scatter([r["sent_s"] for r in reqs], [r["ttft_s"] * 1000 for r in reqs], s=8, color="tab:blue",
                    label="TTFT")
         ax.set_yscale("log")
+        # plain numbers at 1-2-5 steps only: within one decade matplotlib's minor labels crowd into each other
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
     if failed:
         ymax = max((r["ttft_s"] * 1000 for r in reqs), default=1000.0)
         ax.scatter([r["sent_s"] for r in failed], [ymax] * len(failed), marker="x", s=14, color="tab:red",
@@ -39,13 +71,22 @@ def _timeline(ax, run: Mapping, title: str) -> None:
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("TTFT (ms)")
     ax.set_title(title, fontsize=10)
-    samples = run.get("samples", [])
+    handles, labels = ax.get_legend_handles_labels()
+    samples = [s for s in run.get("samples", []) if s.get("kv_blocks_undropped")]
     if samples:
         kv = ax.twinx()
-        kv.plot([s["t_s"] for s in samples], [100 * s["kv_usage"] for s in samples], color="tab:orange", lw=1,
-                label="KV usage")
-        kv.set_ylim(0, 105)
-        kv.set_ylabel("KV usage (%)", color="tab:orange")
+        t = [s["t_s"] for s in samples]
+        used = [100 * s["kv_blocks_used"] / s["kv_blocks_undropped"] for s in samples]
+        capacity = [100 * s["kv_blocks_total"] / s["kv_blocks_undropped"] for s in samples]
+        kv.plot(t, used, color="tab:orange", lw=1, label="KV in use")
+        kv.step(t, capacity, where="post", color="tab:olive", lw=1, ls="--", label="KV capacity")
+        kv.set_ylim(0, 1.1 * max(100.0, *used, *capacity))
+        kv.set_ylabel("KV (% of undropped capacity)", color="tab:orange")
+        more, more_labels = kv.get_legend_handles_labels()
+        handles, labels = handles + more, labels + more_labels
+    if handles:
+        ax.legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(handles),
+                  frameon=False)
 
 
 def _cdf(ax, values_by_policy: Mapping[str, Sequence[float]], xlabel: str) -> None:
@@ -67,7 +108,7 @@ def plot_run(run: Mapping, out_dir: Path) -> list[Path]:
     """ttft_timeline.png and latency_cdf.png for one policy's run."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    fig, ax = plt.subplots(figsize=(10, 4))
+    fig, ax = plt.subplots(figsize=(10, 4.4))
     _timeline(ax, run, f"{run.get('policy', '?')}: TTFT over time (shaded: pipelined / drop state)")
     fig.tight_layout()
     paths.append(out_dir / "ttft_timeline.png")

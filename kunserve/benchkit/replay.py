@@ -43,6 +43,7 @@ class ClusterSample:
     queued_demand_blocks: int
     units: int                 # whole instances + pipeline groups
     pipelined_units: int       # units with more than one member: the cluster is in drop state
+    workers: int               # the members of all units: workers - units is the number of merges in force
     epoch: int
     kv_blocks_undropped: int = 0  # over every worker, the blocks it has holding every layer: the capacity without a drop
 
@@ -53,7 +54,7 @@ class ClusterSample:
     def to_dict(self) -> dict:
         return {"t_s": self.t_s, "kv_blocks_used": self.kv_blocks_used, "kv_blocks_total": self.kv_blocks_total,
                 "kv_usage": self.kv_usage, "queued_demand_blocks": self.queued_demand_blocks, "units": self.units,
-                "pipelined_units": self.pipelined_units, "epoch": self.epoch,
+                "pipelined_units": self.pipelined_units, "workers": self.workers, "epoch": self.epoch,
                 "kv_blocks_undropped": self.kv_blocks_undropped}
 
 
@@ -98,7 +99,8 @@ def sample_from_status(status, t_s: float) -> ClusterSample:
             total += head.kv_blocks_total
     return ClusterSample(t_s=t_s, kv_blocks_used=used, kv_blocks_total=total,
                          queued_demand_blocks=status.cluster.queued_demand_blocks, units=len(units),
-                         pipelined_units=sum(1 for u in units if len(u.members) > 1), epoch=status.layout.epoch,
+                         pipelined_units=sum(1 for u in units if len(u.members) > 1),
+                         workers=sum(len(u.members) for u in units), epoch=status.layout.epoch,
                          kv_blocks_undropped=sum(s.kv_blocks_undropped or s.kv_blocks_total for s in stats.values()))
 
 

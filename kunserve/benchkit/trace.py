@@ -12,8 +12,9 @@ makes the trace bursty in the first place. This module gives the benchmark clien
   file drives both this harness and vLLM's. :func:`load_trace` / :func:`save_trace` pick the format from the
   content (:func:`detect_trace_format`) or the file name (:func:`format_from_path`).
 - :func:`gamma_arrivals`, :func:`synth_lengths`, :func:`generate_trace`: synthetic traces when the real one
-  is not at hand: a Gamma renewal process (the CV controls burstiness; cv = 1 is Poisson) with an optional
-  :class:`Burst` window, and lognormal lengths matching a dataset's mean prompt / output lengths.
+  is not at hand: a Gamma renewal process (the CV controls burstiness; cv = 1 is Poisson) with optional
+  :class:`Burst` windows (:func:`repeat_burst` replays one window again and again, as KunServe §5.6 does), and
+  lognormal lengths matching a dataset's mean prompt / output lengths.
 - :func:`upscale`, :func:`scale_lengths`: load knobs that keep the trace's shape over time.
 - :func:`describe`: the numbers a benchmark report prints about its trace.
 
@@ -543,39 +544,75 @@ class Burst:
         return self.start_s + self.duration_s
 
 
+def repeat_burst(burst: Burst, copies: int, gap_s: float) -> list[Burst]:
+    """``copies`` windows like ``burst``, each starting ``gap_s`` after the previous one ends.
+
+    KunServe §5.6 (Fig. 17) replays a burst again and again to find how long each system holds before it runs
+    out of memory; the copies keep the window's length and factor, so the load they add stacks up whenever
+    the gap is too short for the cluster to drain.
+    """
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
+    if not (math.isfinite(gap_s) and gap_s >= 0):
+        raise ValueError(f"gap_s must be finite and >= 0, got {gap_s}")
+    step = burst.duration_s + gap_s
+    return [Burst(burst.start_s + k * step, burst.duration_s, burst.factor) for k in range(copies)]
+
+
+BurstArg = Burst | Sequence[Burst] | None  # one window, several, or none
+
+
+def burst_windows(burst: BurstArg) -> list[Burst]:
+    """The windows of ``burst`` sorted by start; ValueError when two overlap (a rate cannot be multiplied by
+    two factors at once, and the benchmark's per-burst metrics need each request in one window at most).
+    Windows that merely touch (one ends where the next starts) are allowed."""
+    if burst is None:
+        return []
+    windows = sorted([burst] if isinstance(burst, Burst) else list(burst), key=lambda b: b.start_s)
+    for a, b in zip(windows, windows[1:]):
+        if b.start_s < a.end_s:
+            raise ValueError(f"burst windows overlap: [{a.start_s:g}, {a.end_s:g}) s and [{b.start_s:g}, {b.end_s:g}) s")
+    return windows
+
+
 def _positive(name: str, value: float) -> None:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be finite and > 0, got {value}")
 
 
-def gamma_arrivals(
-    rate: float, cv: float, duration_s: float, *, seed: int, burst: Burst | None = None
-) -> list[float]:
+def gamma_arrivals(rate: float, cv: float, duration_s: float, *, seed: int, burst: BurstArg = None) -> list[float]:
     """Arrival times in ``[0, duration_s)`` of a Gamma renewal process with mean rate ``rate``.
 
     Inter-arrival gaps are Gamma(shape = 1/cv², scale = cv²/rate): mean 1/rate, coefficient of variation
     ``cv`` (cv = 1 is Poisson; larger is burstier). The process is an ordinary renewal process: the first
     arrival comes one gap after 0.
 
-    With a ``burst``, the rate is ``rate × factor`` inside the window. A renewal process cannot simply
-    switch rates mid-gap, so the process runs in *operational time* ``u(t) = ∫₀ᵗ λ(s)/rate ds``, which
-    advances ``factor`` times faster inside the window, and each arrival is mapped back to wall time
-    with the inverse of that piecewise-linear map. Inside the window the gaps shrink by ``factor``
-    (``factor`` × the arrivals) while keeping the same CV; outside it nothing changes.
+    With ``burst`` (one :class:`Burst` or several non-overlapping ones), the rate is ``rate × factor`` inside
+    each window. A renewal process cannot simply switch rates mid-gap, so the process runs in *operational
+    time* ``u(t) = ∫₀ᵗ λ(s)/rate ds``, which advances ``factor`` times faster inside a window, and each arrival
+    is mapped back to wall time with the inverse of that piecewise-linear map. Inside a window the gaps shrink
+    by its ``factor`` (``factor`` × the arrivals) while keeping the same CV; outside nothing changes.
 
     Deterministic for a seed (``numpy.random.default_rng(seed)``).
     """
     _positive("rate", rate)
     _positive("cv", cv)
     _positive("duration_s", duration_s)
+    windows = burst_windows(burst)
     rng = np.random.default_rng(seed)
 
-    # Operational-time map u(t) = t outside the burst, slope `factor` inside (clipped to the trace).
-    a = b = duration_s
-    factor = 1.0
-    if burst is not None and burst.start_s < duration_s:
-        a, b, factor = burst.start_s, min(burst.end_s, duration_s), burst.factor
-    u_end = a + factor * (b - a) + (duration_s - b)
+    # Knots of the operational-time map, clipped to the trace: wall times t_k, operational times u_k, and the
+    # slope (the factor) on the segment starting at each knot.
+    wall, oper, slope = [0.0], [0.0], [1.0]
+    for w in windows:
+        a, b = w.start_s, min(w.end_s, duration_s)
+        if a >= duration_s:
+            break
+        for t, f in ((a, w.factor), (b, 1.0)):
+            oper.append(oper[-1] + slope[-1] * (t - wall[-1]))
+            wall.append(t)
+            slope.append(f)
+    u_end = oper[-1] + slope[-1] * (duration_s - wall[-1])
 
     shape = 1.0 / (cv * cv)
     scale = cv * cv / rate
@@ -591,9 +628,9 @@ def gamma_arrivals(
     u = np.concatenate(parts)
     u = u[u < u_end]
 
-    # Inverse map back to wall time.
-    u_burst_end = a + factor * (b - a)
-    t = np.where(u < a, u, np.where(u < u_burst_end, a + (u - a) / factor, u - (factor - 1.0) * (b - a)))
+    # Inverse map back to wall time, segment by segment.
+    segment = np.searchsorted(np.asarray(oper), u, side="right") - 1
+    t = np.asarray(wall)[segment] + (u - np.asarray(oper)[segment]) / np.asarray(slope)[segment]
     t = t[t < duration_s]  # guard against rounding at the edge
     return [float(x) for x in t]
 
@@ -661,7 +698,7 @@ def generate_trace(
     profile: str = "burstgpt",
     seed: int = 0,
     scale: float = 1.0,
-    burst: Burst | None = None,
+    burst: BurstArg = None,
     max_prompt: int | None = None,
     max_output: int | None = None,
 ) -> list[TraceRequest]:

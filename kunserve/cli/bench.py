@@ -27,9 +27,10 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kunserve import client
 from kunserve.benchkit.calibrate import (
@@ -37,6 +38,7 @@ from kunserve.benchkit.calibrate import (
     NEVER_OVERLOADED,
     OVERLOADED,
     CalibrationError,
+    Span,
     Speeds,
     calibrate,
     observed_overload,
@@ -44,10 +46,21 @@ from kunserve.benchkit.calibrate import (
     speeds_from_cost_model,
     verdict,
 )
+from kunserve.benchkit.holds import (
+    DROP,
+    MEMORY_BOUND_S,
+    QUEUE_FACTOR,
+    RESTORE,
+    burst_holds,
+    count,
+    layout_events,
+    unloaded_ttft,
+)
 from kunserve.benchkit.openai_replay import EndpointError, list_models, normalize_base_url, replay_openai
 from kunserve.benchkit.probe import ProbeError, cluster_capacity, probe_speeds
 from kunserve.benchkit.repeats import Spread, schedule, spread
 from kunserve.benchkit.replay import ClusterUnreachable, ReplayOutcome, drop_periods, replay
+from kunserve.benchkit.scenarios import SCENARIOS, Scenario, resolve
 from kunserve.benchkit.stats import RequestResult, best_p50, summarize
 from kunserve.benchkit.trace import (
     LENGTH_PROFILES,
@@ -56,20 +69,22 @@ from kunserve.benchkit.trace import (
     Burst,
     TraceError,
     TraceRequest,
+    burst_windows,
     describe,
     generate_trace,
     load_trace,
+    repeat_burst,
     save_trace,
     scale_lengths,
     upscale,
 )
-from kunserve.benchkit.variants import POLICY_VARIANTS, VariantUnavailable, apply_variant
+from kunserve.benchkit.variants import POLICY_VARIANTS, VariantUnavailable, apply_variant, base_policy
 from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_ports, with_workers
 from kunserve.shared.config import ClusterConfig, ConfigError, load_config
 from kunserve.shared.policy.overload_policies import OVERLOAD_POLICIES
 from kunserve.shared.rpc import health_check
 
-RESULT_VERSION = 2
+RESULT_VERSION = 3
 # Defaults sized for the embedded tiny model on a 2-core CPU with 2 workers and a 36 MiB pool (~2k tokens of
 # KV per whole instance): BurstGPT-like lengths at half scale (mean ~320 in / ~130 out), 1 request/s, then a
 # burst from 5 s to 25 s at 6x that rate, a factor calibration replaces with what overloads this machine.
@@ -90,7 +105,7 @@ SOURCE_KINDS = {"csv": "burstgpt_csv", "timed_trace": "timed_trace", "mooncake":
 API_KEY_ENV = "OPENAI_API_KEY"  # what `vllm bench serve` and the openai SDK read
 EXTERNAL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 TARGETS = {"ttft_p99_vs_recompute": 10.0, "ttft_p99_vs_swap": 10.0, "ttft_p99_vs_migrate": 5.0,
-           "tpot_p50_penalty_max": 0.25}
+           "tpot_p50_penalty_max": 0.25, "hold_vs_best_baseline": 1.5}
 
 
 class BenchError(Exception):
@@ -107,11 +122,47 @@ def parse_burst(text: str) -> Burst:
                                          f"{': ' + str(exc) if ':' in text and text.count(':') == 2 else ''}") from None
 
 
+def distinct_bursts(args: argparse.Namespace) -> list[Burst]:
+    """The --burst windows that start within the trace (a window past --duration adds nothing), sorted by start;
+    BenchError when two overlap."""
+    try:
+        windows = burst_windows(args.burst)
+    except ValueError as exc:
+        raise BenchError(f"--burst: {exc}") from None
+    return [w for w in windows if w.start_s < args.duration]
+
+
+def burst_plan(args: argparse.Namespace) -> list[Burst]:
+    """Every burst window of the generated trace: the --burst windows, or --bursts copies of the one window
+    --burst-gap seconds apart, those that start within the trace."""
+    if args.bursts < 1:
+        raise BenchError("--bursts must be >= 1")
+    if not (math.isfinite(args.burst_gap) and args.burst_gap >= 0):
+        raise BenchError(f"--burst-gap must be >= 0 seconds, got {args.burst_gap:g}")
+    windows = distinct_bursts(args)
+    if args.bursts == 1:
+        return windows
+    if len(args.burst) != 1:
+        raise BenchError(f"--bursts {args.bursts} repeats one --burst window; {len(args.burst)} were given")
+    return [w for w in repeat_burst(args.burst[0], args.bursts, args.burst_gap) if w.start_s < args.duration]
+
+
+def burst_spans(args: argparse.Namespace) -> list[Span]:
+    """Where calibration measures each distinct burst's peak demand: from its start to the next one's (a
+    repeated burst: to its second copy's start, the copies then stacking up as they will), the last to the end."""
+    windows = distinct_bursts(args)
+    if args.bursts > 1:
+        return [(w.start_s, w.end_s + args.burst_gap) for w in windows]
+    return [(w.start_s, nxt.start_s) for w, nxt in zip(windows, windows[1:])] + [(w.start_s, math.inf)
+                                                                                  for w in windows[-1:]]
+
+
 def _generated(args: argparse.Namespace) -> list[TraceRequest]:
     """The generator's trace with --limit and --upscale applied (possibly empty)."""
+    windows = burst_plan(args)
     try:
         trace = generate_trace(rate=args.rate, cv=args.cv, duration_s=args.duration, profile=args.profile,
-                               seed=args.seed, scale=args.length_scale, burst=args.burst, max_prompt=args.max_prompt,
+                               seed=args.seed, scale=args.length_scale, burst=windows, max_prompt=args.max_prompt,
                                max_output=args.max_output)
     except ValueError as exc:
         raise BenchError(f"bad trace parameters: {exc}") from None
@@ -126,8 +177,8 @@ def _generated(args: argparse.Namespace) -> list[TraceRequest]:
 
 
 def build_trace(args: argparse.Namespace, *, save: bool = True) -> tuple[list[TraceRequest], dict]:
-    """The trace the arguments describe, and a JSON-able description of where it came from; with `save`, also
-    written to --save-trace."""
+    """The trace the arguments describe, and a JSON-able description of where it came from (a generated trace's
+    burst windows among it: the holds metric reads them); with `save`, also written to --save-trace."""
     if args.limit is not None and args.limit < 1:
         raise BenchError("--limit must be >= 1")
     if args.trace:
@@ -144,7 +195,8 @@ def build_trace(args: argparse.Namespace, *, save: bool = True) -> tuple[list[Tr
     else:
         trace = _generated(args)
         source = {"kind": "gamma", "rate": args.rate, "cv": args.cv, "duration_s": args.duration,
-                  "profile": args.profile, "burst": None if args.burst is None else vars(args.burst)}
+                  "profile": args.profile, "bursts": [vars(w) for w in burst_plan(args)],
+                  "repeat": {"copies": args.bursts, "gap_s": args.burst_gap} if args.bursts > 1 else None}
     if args.upscale != 1.0:
         source["upscale"] = args.upscale
     source.update(seed=args.seed, length_scale=args.length_scale, max_prompt=args.max_prompt,
@@ -178,11 +230,11 @@ def profile_speeds(cfg: ClusterConfig, *, prompt_tokens: int, concurrency: int,
                                   context_tokens=context_tokens, source=f"profile {prof.key}"), prof.key
 
 
-def _with_load(args: argparse.Namespace, rate: float, factor: float) -> argparse.Namespace:
-    """`args` with this base rate and burst factor (same burst window)."""
+def _with_load(args: argparse.Namespace, rate: float, factors: Sequence[float]) -> argparse.Namespace:
+    """`args` with this base rate and one factor per distinct burst window (same windows)."""
     out = copy.copy(args)
     out.rate = rate
-    out.burst = None if args.burst is None else Burst(args.burst.start_s, args.burst.duration_s, factor)
+    out.burst = [Burst(w.start_s, w.duration_s, f) for w, f in zip(distinct_bursts(args), factors)]
     return out
 
 
@@ -225,16 +277,16 @@ def plan_trace(args: argparse.Namespace, console, *, address: str, admin: str | 
         record.update(calibrated=False, planned_peak_tokens=peak.tokens, planned_peak_at_s=peak.at_s,
                       planned_ratio=peak.tokens / capacity.tokens)
     else:
+        given = [w.factor for w in distinct_bursts(args)]
         try:
-            cal = calibrate(lambda rate, factor: _generated(_with_load(args, rate, factor)), rate=args.rate,
-                            burst_factor=None if args.burst is None else args.burst.factor, speeds=speeds,
+            cal = calibrate(lambda rate, factors: _generated(_with_load(args, rate, factors)), rate=args.rate,
+                            burst_factors=given, spans=burst_spans(args), speeds=speeds,
                             capacity_tokens=capacity.tokens, target=args.overload)
         except CalibrationError as exc:
             raise BenchError(f"calibration: {exc}") from None
         chosen = {k: v for k, v in cal.to_dict().items() if k not in ("speeds", "capacity_tokens", "target")}
-        record.update(calibrated=True, given={"rate": args.rate, "burst_factor": None if args.burst is None
-                                              else args.burst.factor}, **chosen)
-        trace, source = build_trace(_with_load(args, cal.rate, cal.burst_factor or 1.0), save=False)
+        record.update(calibrated=True, given={"rate": args.rate, "burst_factors": given}, **chosen)
+        trace, source = build_trace(_with_load(args, cal.rate, cal.burst_factors), save=False)
     source["calibration"] = record
     if args.save_trace:
         save_trace(trace, args.save_trace, args.save_trace_format)
@@ -249,16 +301,24 @@ def calibration_line(record: dict) -> str:
     text = (f"calibration ({how}): prefill {sp['prefill_tokens_per_s']:,.0f} tok/s, TPOT {_ms(sp['tpot_s'])} ms at "
             f"{sp['concurrency']} requests per instance; undropped KV capacity {cap['tokens']:,} tokens "
             f"({cap['workers']} workers)")
+    per_burst = ""
     if record["calibrated"]:
         given = record["given"]
         load = [f"rate {given['rate']:g} -> {record['rate']:.3g} req/s"] if record["rate"] != given["rate"] else []
-        if record["burst_factor"] is not None:
-            load.append(f"burst factor {given['burst_factor']:g} -> {record['burst_factor']:.3g}")
+        factors = record["burst_factors"]
+        if factors:
+            load.append(f"burst factor{'s' if len(factors) > 1 else ''} "
+                        f"{', '.join(f'{f:g}' for f in given['burst_factors'])} -> {', '.join(f'{f:.3g}' for f in factors)}")
+        ratios = record["burst_ratios"]
+        if len(ratios) > 1 or (ratios and not math.isclose(ratios[0], record["planned_ratio"], rel_tol=1e-3)):
+            # several bursts, or copies of one stacking up beyond what the first reaches
+            per_burst = f"; per burst, to the next one's start: {', '.join(f'{r:.2f}x' for r in ratios)}"
         text += f"; {', '.join(load)} ({record['requests']} requests)"
     else:
         text += "; loaded trace replayed as it is (scale it with --upscale)"
     return (text + f": planned peak KV demand {record['planned_ratio']:.2f}x the capacity "
-            f"(target {record['target']:g}x, at {record['planned_peak_at_s']:.1f} s)")
+            f"(target {record['target']:g}x{' per burst' if per_burst else ''}, at {record['planned_peak_at_s']:.1f} s"
+            f"{per_burst})")
 
 
 # -- one replay ------------------------------------------------------------------------------------------------
@@ -346,31 +406,33 @@ def run_record(outcome: ReplayOutcome, *, policy: str, trace_source: dict, trace
                reference_tpot_p50: float | None = None) -> dict:
     """The JSON document of one replay (also the input of the plots)."""
     samples = [s.to_dict() for s in outcome.samples]
-    drops = _drops(outcome)
+    events = layout_events(samples)
+    drops = count(events, DROP)
+    summary = summarize(outcome.results, outcome.duration_s, reference_ttft_p50=reference_ttft_p50,
+                        reference_tpot_p50=reference_tpot_p50)
+    requests = [r.to_dict() for r in outcome.results]
+    d = describe(trace)
     return {
         "version": RESULT_VERSION,
         "policy": policy,
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "host": {"machine": platform.machine(), "python": platform.python_version(), "node": platform.node()},
         "cluster": cluster,
-        "trace": {"source": trace_source, **describe(trace)},
+        "trace": {"source": trace_source, **d},
         "interrupted": outcome.interrupted,
         "not_sent": outcome.not_sent,
-        "summary": summarize(outcome.results, outcome.duration_s, reference_ttft_p50=reference_ttft_p50,
-                             reference_tpot_p50=reference_tpot_p50),
+        "summary": summary,
         "drops": drops,
+        "restores": count(events, RESTORE),
+        "layout_events": events,
         "epoch_changes": _epoch_changes(outcome),
         "drop_periods": drop_periods(outcome.samples),
+        "holds": burst_holds(requests, trace_source.get("bursts") or [],
+                             unloaded_ttft(trace_source, d["mean_prompt"], summary["slo_reference"]["ttft_p50_s"]), samples),
         "overload": observed_overload(samples, drops).to_dict(),
         "samples": samples,
-        "requests": [r.to_dict() for r in outcome.results],
+        "requests": requests,
     }
-
-
-def _drops(outcome: ReplayOutcome) -> int:
-    """Drops seen by the sampler: rises of the number of pipeline groups."""
-    units = [s.pipelined_units for s in outcome.samples]
-    return sum(1 for a, b in zip(units, units[1:]) if b > a)
 
 
 def _epoch_changes(outcome: ReplayOutcome) -> int:
@@ -394,7 +456,7 @@ def _console():
 
     console = Console(highlight=False)
     if not console.is_terminal:
-        console = Console(highlight=False, width=150)
+        console = Console(highlight=False, width=190)
     return console
 
 
@@ -581,7 +643,10 @@ METRICS: dict[str, Callable[[dict], float | None]] = {
     # without cluster samples (an external server) drops were not observed, not zero
     "drops": lambda d: d["drops"] if d["samples"] else None,
     "drop_seconds": lambda d: sum(e - b for b, e in d["drop_periods"]) if d["samples"] else None,
+    "restores": lambda d: d["restores"] if d["samples"] else None,
     "epoch_changes": lambda d: d["epoch_changes"] if d["samples"] else None,
+    "hold_s": lambda d: d["holds"]["hold_s"],
+    "memory_hold_s": lambda d: d["holds"]["memory_hold_s"],
     "peak_demand_ratio": lambda d: d["overload"]["peak_ratio"],
     "max_kv_usage": lambda d: d["overload"]["max_kv_usage"],
 }
@@ -589,9 +654,11 @@ METRICS: dict[str, Callable[[dict], float | None]] = {
 
 def compare_record(runs: dict[str, list[dict]], rows: Sequence[str]) -> dict:
     """The comparison of every row's runs: SLO references (the best row's p50 over its pooled runs, external
-    servers included; every run's summary is redone against them), each metric's median and range, whether the
-    trace overloaded anything (:func:`verdict`), and, when it did, ratios of the medians against kunserve (every
-    other row's TTFT p99 over kunserve's) and the issue's targets (for the policies that have one)."""
+    servers included; every run's summary is redone against them, and its holds where no calibration measured
+    the unloaded TTFT), each metric's median and range,
+    whether the trace overloaded anything (:func:`verdict`), and, when it did, ratios of the medians against
+    kunserve (every other row's TTFT p99 over kunserve's; kunserve's hold over the best baseline's) and the
+    issue's targets (for the policies that have one; the hold target for a repeated burst, Fig. 17)."""
     done = {p: [r for d in ds for r in d["requests"] if r["ok"]] for p, ds in runs.items()}  # as summarize counts
     ttft = {p: [r["ttft_s"] for r in rs if r.get("ttft_s") is not None] for p, rs in done.items()}
     tpot = {p: [r["tpot_s"] for r in rs if r.get("tpot_s") is not None] for p, rs in done.items()}
@@ -601,6 +668,9 @@ def compare_record(runs: dict[str, list[dict]], rows: Sequence[str]) -> dict:
             results = [RequestResult.from_dict(r) for r in d["requests"]]
             d["summary"] = summarize(results, d["summary"]["duration_s"], reference_ttft_p50=ref_ttft,
                                      reference_tpot_p50=ref_tpot)
+            source = d["trace"]["source"]
+            d["holds"] = burst_holds(d["requests"], source.get("bursts") or [],
+                                     unloaded_ttft(source, d["trace"]["mean_prompt"], ref_ttft), d["samples"])
     medians = {p: {name: spread([read(d) for d in ds]) for name, read in METRICS.items()} for p, ds in runs.items()}
     overload = verdict({p: [d["overload"]["overloaded"] for d in ds] for p, ds in runs.items()})
     ratios: dict[str, float] = {}
@@ -622,11 +692,22 @@ def compare_record(runs: dict[str, list[dict]], rows: Sequence[str]) -> dict:
             penalty = k["tpot_p50_s"]["median"] / base_tpot - 1
             ratios["tpot_p50_penalty_vs_recompute"] = penalty
             checks[f"tpot_p50_penalty<={TARGETS['tpot_p50_penalty_max']:.0%}"] = penalty <= TARGETS["tpot_p50_penalty_max"]
+        for metric, name in (("hold_s", "hold"), ("memory_hold_s", "memory_hold")):
+            best = max((h for h in (medians[o][metric]["median"] for o in runs if base_policy(o) != "kunserve")
+                        if h is not None), default=None)
+            mine = k[metric]["median"]
+            if mine is not None and best:
+                ratios[f"{name}_kunserve_over_best_baseline"] = mine / best
+        repeated = any((d["trace"]["source"].get("repeat") or {}).get("copies", 1) > 1 for d in runs["kunserve"])
+        if repeated and "hold_kunserve_over_best_baseline" in ratios:
+            target = TARGETS["hold_vs_best_baseline"]
+            checks[f"hold_vs_best_baseline>={target:g}x"] = ratios["hold_kunserve_over_best_baseline"] >= target
     return {"version": RESULT_VERSION, "policies": list(rows), "repeats": max((len(ds) for ds in runs.values()), default=0),
             "reference_p50": {"ttft_s": ref_ttft, "tpot_s": ref_tpot},
             "medians": medians, "ratios": ratios, "targets": checks, "overload": overload,
-            "runs": {p: [{"run": i + 1, "summary": d["summary"], "drops": d["drops"], "epoch_changes": d["epoch_changes"],
-                          "drop_seconds": sum(e - b for b, e in d["drop_periods"]), "overload": d["overload"]}
+            "runs": {p: [{"run": i + 1, "summary": d["summary"], "drops": d["drops"], "restores": d["restores"],
+                          "epoch_changes": d["epoch_changes"], "drop_seconds": sum(e - b for b, e in d["drop_periods"]),
+                          "holds": d["holds"], "overload": d["overload"]}
                          for i, d in enumerate(ds)] for p, ds in runs.items()}}
 
 
@@ -685,6 +766,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     rows = {p: Row(p) for p in policies} | {e.name: Row(e.name, e) for e in endpoints}
     out = _out_dir(args, "compare")
     described = ", ".join([*policies, *(f"{e.name} ({e.url}, model {e.model})" for e in endpoints)])
+    scenario = SCENARIOS.get(args.scenario or "")
+    if scenario is not None:
+        console.print(f"scenario {scenario.describe()}: {_preset_flags(scenario)} (explicit flags win)")
     console.print(f"[bold]kunserve bench compare[/] on {args.workers} workers, {args.repeats} run(s) per row, "
                   f"rows: {described} -> {out}")
     if args.calibrate == "off":
@@ -693,8 +777,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     else:
         trace, source, calibration = calibration_cluster(args, console, out)
     d = describe(trace)
+    windows = ", ".join(f"{w['start_s']:g}-{w['start_s'] + w['duration_s']:g} s x{w['factor']:.3g}"
+                        for w in source.get("bursts") or [])
     console.print(f"trace: {len(trace)} requests over {d['duration_s']:.1f} s (mean prompt {d['mean_prompt']:.0f}, "
-                  f"output {d['mean_output']:.0f} tokens)")
+                  f"output {d['mean_output']:.0f} tokens){'; bursts ' + windows if windows else ''}")
     stop_flag = _interrupt_flag()
     runs: dict[str, list[dict]] = {}
     interrupted = False
@@ -759,6 +845,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     comparison = compare_record(ordered, list(ordered))
     comparison["external"] = {e.name: e.describe() for e in endpoints if e.name in runs}
     comparison["calibration"] = calibration
+    comparison["scenario"] = args.scenario
     comparison["interrupted"] = interrupted
     comparison["trace"] = {"source": source, **describe(trace)}
     for name, docs in ordered.items():  # rewritten with the common SLO references
@@ -816,9 +903,37 @@ COLUMNS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("TTFT p50", "ttft_p50_s", _ms), ("TTFT p99", "ttft_p99_s", _ms), ("TTFT p99.9", "ttft_p999_s", _ms),
     ("TPOT p50", "tpot_p50_s", _ms), ("TPOT p99", "tpot_p99_s", _ms), ("E2E p99", "e2e_p99_s", _ms),
     ("SLO 5x TTFT", "slo_ttft_5x", lambda v: f"{100 * v:.0f}%"), ("tok/s", "output_tokens_per_s", lambda v: f"{v:.0f}"),
-    ("drops", "drops", lambda v: f"{v:g}"), ("drop s", "drop_seconds", lambda v: f"{v:.1f}"),
+    ("drops", "drops", lambda v: f"{v:g}"), ("restores", "restores", lambda v: f"{v:g}"),
+    ("drop s", "drop_seconds", lambda v: f"{v:.1f}"), ("holds s", "hold_s", lambda v: f"{v:.1f}"),
+    ("KV full s", "memory_hold_s", lambda v: f"{v:.1f}"),
     ("peak demand", "peak_demand_ratio", _ratio),
 )
+HELD_THROUGH = "+"  # after a holds cell: some run never queued, its value is a lower bound
+
+
+def _print_holds(console, runs: dict[str, list[dict]]) -> None:
+    """Per burst window of each row's median run (by TTFT p99): when its requests started queueing, and how
+    many did; nothing when the trace has no burst windows."""
+    shown = {row: representative(docs) for row, docs in runs.items()}
+    if not any(d["holds"]["windows"] for d in shown.values()):
+        return
+    unloaded = next((d["holds"]["unloaded"] for d in shown.values() if d["holds"]["unloaded"]), None)
+    bound = "-" if unloaded is None else (
+        f"{QUEUE_FACTOR:g} x {_ms(unloaded['ttft_s'])} ms" + (", or x its own prefill time if longer, calibrated"
+                                                             if unloaded["prefill_tokens_per_s"] else
+                                                             ", the SLO reference: no calibration"))
+    console.print("queueing per burst window (s from the window's start to the first request of it waiting "
+                  f"> {bound} for its first token; queued / arrived), median run:")
+    for row, d in shown.items():
+        parts = []
+        for i, w in enumerate(d["holds"]["windows"], start=1):
+            onset = "held" if w["onset_s"] is None else f"{w['onset_s']:.1f}"
+            parts.append(f"#{i} [{w['start_s']:g}-{w['end_s']:g} s] {onset} ({w['queued']}/{w['requests']})"
+                         if w["requests"] is not None else f"#{i} -")
+        hold = d["holds"]
+        drops = "" if hold["drops_before_queueing"] is None else (
+            f"; {hold['drops_before_queueing']} drop(s), {hold['restores_before_queueing']} restore(s) before queueing")
+        console.print(f"  {row}: {', '.join(parts)}{drops}")
 
 
 def render_table(console, runs: dict[str, list[dict]], comparison: dict | None = None) -> None:
@@ -828,16 +943,25 @@ def render_table(console, runs: dict[str, list[dict]], comparison: dict | None =
 
     t = Table(title="kunserve bench" + (" compare" if comparison else ""), show_lines=bool(comparison))
     for col in ("policy", "done/sent", "failed", *(c[0] for c in COLUMNS)):
-        t.add_column(col, justify="left" if col == "policy" else "right")
+        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col in ("policy", "done/sent"))
     for row, docs in runs.items():
         m = {name: spread([read(d) for d in docs]) for name, read in METRICS.items()}
         label = row if len(docs) == 1 else f"{row}\n[dim]{len(docs)} runs[/]"
+        cells = {metric: _cell(m[metric], fmt) for _, metric, fmt in COLUMNS}
+        for metric, flag in (("hold_s", "held_through"), ("memory_hold_s", "memory_held_through")):
+            if any(d["holds"][flag] for d in docs):
+                first, *rest = cells[metric].split("\n")
+                cells[metric] = "\n".join([first + HELD_THROUGH, *rest])
         t.add_row(label, f"{sum(d['summary']['completed'] for d in docs)}/{sum(d['summary']['requests'] for d in docs)}",
-                  str(sum(d["summary"]["failed"] for d in docs)), *(_cell(m[metric], fmt) for _, metric, fmt in COLUMNS))
+                  str(sum(d["summary"]["failed"] for d in docs)), *(cells[metric] for _, metric, _ in COLUMNS))
     console.print(t)
     console.print("latencies in ms (median over runs, range below); SLO 5x TTFT = share of requests whose TTFT <= 5 x the "
                   "best row's p50; peak demand = max of (KV in use + prompts waiting at the workers) / the undropped "
-                  "KV capacity, as sampled")
+                  "KV capacity, as sampled; drops / restores = layout changes the sampler saw; holds s = from the first "
+                  f"burst's start until a request that arrived since waits > {QUEUE_FACTOR:g} x its unloaded TTFT "
+                  f"for its first token; KV full s = from there until KV in use + waiting prompts stay above the KV "
+                  f"capacity for {MEMORY_BOUND_S:g} s ({HELD_THROUGH}: a run never got there, a lower bound)")
+    _print_holds(console, runs)
     if comparison is None:
         return
     cal = comparison.get("calibration")
@@ -869,6 +993,18 @@ def _overload(text: str) -> float:
     return value
 
 
+def _preset_flags(scenario: Scenario) -> str:
+    """A scenario's presets as the flags they stand for (help text, the compare header)."""
+    out = []
+    for key, value in scenario.flags.items():
+        flag = "--" + key.replace("_", "-")
+        if key == "burst":
+            out += [f"{flag} {w.start_s:g}:{w.duration_s:g}:{w.factor:g}" for w in value]
+        else:
+            out.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+    return " ".join(out)
+
+
 def _add_calibration_args(p: argparse.ArgumentParser, default: str) -> None:
     g = p.add_argument_group("calibration", "size the generated trace to the cluster's speed and KV capacity")
     g.add_argument("--calibrate", choices=("auto", "probe", "profile", "off"), default=default,
@@ -893,10 +1029,17 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--limit", type=int, help="replay only the first N requests")
     g.add_argument("--rate", type=float, default=DEFAULT_RATE, help="generator: mean arrival rate (requests/s)")
     g.add_argument("--cv", type=float, default=1.0, help="generator: coefficient of variation of the gaps (1 = Poisson)")
-    g.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, help="generator: trace length (s)")
-    g.add_argument("--burst", type=parse_burst, default=parse_burst(DEFAULT_BURST),
-                   help=f"generator: START:DURATION:FACTOR, rate x FACTOR in that window (default {DEFAULT_BURST})")
-    g.add_argument("--no-burst", dest="burst", action="store_const", const=None, help="generator: no burst window")
+    g.add_argument("--duration", type=float, help=f"generator: trace length (s; default {DEFAULT_DURATION_S:g})")
+    windows = g.add_mutually_exclusive_group()
+    windows.add_argument("--burst", type=parse_burst, action="append",
+                         help=f"generator: START:DURATION:FACTOR, rate x FACTOR in that window (default {DEFAULT_BURST}); "
+                              "repeatable: several windows, each calibrated on its own")
+    windows.add_argument("--no-burst", action="store_true", help="generator: no burst window")
+    g.add_argument("--bursts", type=int, metavar="N",
+                   help="generator: replay the one --burst window N times (KunServe Fig. 17), --burst-gap apart; the "
+                        "copies share the factor calibrated on the first (default 1)")
+    g.add_argument("--burst-gap", type=float, metavar="S", help="generator: seconds from one copy's end to the next "
+                                                                "one's start (default 0)")
     g.add_argument("--profile", choices=sorted(LENGTH_PROFILES), default="burstgpt",
                    help="generator: length distribution means (burstgpt 642/262, sharegpt 1660/373, longbench 5900/499)")
     g.add_argument("--length-scale", type=float, default=DEFAULT_LENGTH_SCALE,
@@ -913,10 +1056,42 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline (s)")
 
 
+class _BenchParser(argparse.ArgumentParser):
+    """An ArgumentParser that completes what it parsed with `complete(namespace)`. The flags whose default
+    depends on other flags (a scenario's presets, --no-burst) are left None by argparse and filled in there,
+    where it is still known which ones the user gave."""
+
+    complete: Callable[[argparse.Namespace], None] | None = None
+
+    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:
+        ns, rest = super().parse_known_args(*args, **kwargs)
+        if self.complete is not None:
+            self.complete(ns)
+        return ns, rest
+
+
+# The plain defaults of the flags that complete_args fills in (`run`, then `compare`'s with its own).
+TRACE_DEFAULTS: dict[str, Any] = {"duration": DEFAULT_DURATION_S, "burst": [parse_burst(DEFAULT_BURST)], "bursts": 1,
+                                  "burst_gap": 0.0}
+COMPARE_DEFAULTS: dict[str, Any] = {**TRACE_DEFAULTS, "policies": ",".join(OVERLOAD_POLICIES), "workers": 2}
+
+
+def complete_args(ns: argparse.Namespace, plain: Mapping[str, Any] = TRACE_DEFAULTS) -> None:
+    """Fill in the flags left unset: --no-burst means no window (and one copy of nothing unless --bursts says
+    otherwise), then the --scenario's presets, then the plain defaults. An explicit flag always stays."""
+    values = vars(ns)
+    if values.get("no_burst"):
+        values["burst"] = []
+        if values.get("bursts") is None:
+            values["bursts"] = 1
+    resolve(values, plain, SCENARIOS.get(values.get("scenario") or ""))
+
+
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="replay a bursty trace and measure TTFT / TPOT (run, compare, convert-trace)")
-    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    bsub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_BenchParser)
     run = bsub.add_parser("run", help="replay a trace against a running cluster, or any OpenAI-compatible server")
+    run.complete = complete_args
     _add_trace_args(run)
     run.add_argument("--address", help="dispatcher host:port (default: from the config)")
     run.add_argument("--admin", help="memory manager (admin) host:port for KV usage / drop sampling; '' = none")
@@ -930,15 +1105,19 @@ def add_bench_parser(sub) -> None:
     http.add_argument("--api-key", help=f"--endpoint: sent as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     run.set_defaults(func=_guarded(cmd_run))
     cmp_ = bsub.add_parser("compare", help="run one trace through every overload policy, a fresh local cluster each")
+    cmp_.complete = lambda ns: complete_args(ns, COMPARE_DEFAULTS)
+    cmp_.add_argument("--scenario", choices=sorted(SCENARIOS),
+                      help="fill in the flags of one of the paper's experiments (flags given explicitly win): "
+                           + "; ".join(f"{s.describe()}: {_preset_flags(s)}" for s in SCENARIOS.values()))
     _add_trace_args(cmp_)
-    cmp_.add_argument("--policies", default=",".join(OVERLOAD_POLICIES),
+    cmp_.add_argument("--policies",
                       help=f"comma-separated, from: {', '.join(OVERLOAD_POLICIES)} (default: all), and the ablation "
                            f"variants {', '.join(POLICY_VARIANTS)}")
     cmp_.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                       help=f"runs per row, interleaved round by round with the row order rotated; the table shows the "
                            f"median and the range (default {DEFAULT_REPEATS})")
     _add_calibration_args(cmp_, "auto")
-    cmp_.add_argument("--workers", type=int, default=2, help="workers per cluster (default 2)")
+    cmp_.add_argument("--workers", type=int, help="workers per cluster (default 2)")
     cmp_.add_argument("--pool-mib", type=int, default=COMPARE_POOL_MIB,
                       help=f"memory pool per worker (default {COMPARE_POOL_MIB}: ~2k tokens of KV per whole instance "
                            "of the embedded model, so a burst overloads it)")

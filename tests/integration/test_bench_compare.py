@@ -66,8 +66,8 @@ def test_compare_calibrates_the_burst_to_the_cluster(tmp_path):
     cal = cmp["calibration"]
     assert cal["calibrated"] and cal["speeds"]["source"] == "probe"
     assert cal["speeds"]["prefill_tokens_per_s"] > 0 and cal["speeds"]["tpot_s"] > 0
-    assert cal["planned_ratio"] == pytest.approx(2.0, rel=0.15) and cal["burst_factor"] > 4
-    assert cmp["trace"]["n"] == cal["requests"] and cmp["trace"]["source"]["burst"]["factor"] == cal["burst_factor"]
+    assert cal["planned_ratio"] == pytest.approx(2.0, rel=0.15) and cal["burst_factors"][0] > 4
+    assert cmp["trace"]["n"] == cal["requests"] and cmp["trace"]["source"]["bursts"][0]["factor"] == cal["burst_factors"][0]
     for policy in ("kunserve", "recompute"):
         doc = json.loads((out / policy / "run-1" / "result.json").read_text())
         assert doc["summary"]["failed"] == 0, doc["summary"]["errors"]  # nothing refused: every request queues

@@ -78,8 +78,32 @@ def test_a_machine_c_times_slower_sees_the_trace_c_times_slower_the_same(reqs, c
 
 def test_a_slower_machine_needs_a_gentler_burst():
     make = _maker()
-    fast = peak_kv_demand(make(1.0, 6.0), Speeds(5000.0, 0.01, 8, "t")).tokens
-    assert peak_kv_demand(make(1.0, 6.0), Speeds(2500.0, 0.02, 8, "t")).tokens > 1.3 * fast
+    fast = peak_kv_demand(make(1.0, [6.0]), Speeds(5000.0, 0.01, 8, "t")).tokens
+    assert peak_kv_demand(make(1.0, [6.0]), Speeds(2500.0, 0.02, 8, "t")).tokens > 1.3 * fast
+
+
+def test_peak_within_a_span_by_hand():
+    # r0 in flight over [0, 2] (peak 111 just before 2 s), r1 over [10, 10.01] holding 302
+    apart = [TraceRequest(0.0, 100, 11), TraceRequest(10.0, 300, 2)]
+    assert peak_kv_demand(apart, SPEEDS, start_s=0.0, end_s=5.0).tokens == pytest.approx(111.0)
+    assert peak_kv_demand(apart, SPEEDS, start_s=5.0).tokens == pytest.approx(302.0)
+    # a span that ends mid-request: the demand at its end (100 + 1 + 0.5 / 0.1 = 106 at 1.5 s)
+    mid = peak_kv_demand(apart, SPEEDS, start_s=0.0, end_s=1.5)
+    assert mid.tokens == pytest.approx(106.0) and mid.at_s == 1.5
+    assert peak_kv_demand(apart, SPEEDS, start_s=3.0, end_s=9.0).tokens == 0.0  # nothing in flight
+
+
+@settings(max_examples=100, deadline=None)
+@given(requests, st.floats(0, 5), st.floats(0.01, 5))
+def test_peak_within_a_span_is_the_supremum_there(reqs, start, length):
+    trace = sorted((TraceRequest(a, p, o) for a, p, o in reqs), key=lambda r: r.arrival_s)
+    speeds = Speeds(400.0, 0.05, 1, "test")
+    end = start + length
+    peak = peak_kv_demand(trace, speeds, start_s=start, end_s=end)
+    grid = [start + length * k / 50 for k in range(1, 50)]  # inside: at `end` the peak is the left limit
+    assert all(_demand_at(trace, speeds, t) <= peak.tokens * (1 + 1e-9) + 1e-6 for t in grid)
+    assert peak.tokens <= peak_kv_demand(trace, speeds).tokens * (1 + 1e-9) + 1e-6
+    assert peak.tokens == 0.0 or start < peak.at_s <= end
 
 
 def test_speeds_from_the_cost_model():
@@ -94,49 +118,81 @@ def test_speeds_from_the_cost_model():
         Speeds(10.0, math.nan, 1, "x")
 
 
-def _maker(duration=30.0, burst=(5.0, 10.0), seed=0):
-    def make(rate, factor):
+def _maker(duration=30.0, bursts=((5.0, 10.0),), seed=0):
+    def make(rate, factors):
         return generate_trace(rate=rate, cv=1.0, duration_s=duration, seed=seed, scale=0.5, max_prompt=1024,
-                              max_output=384, burst=None if burst is None else Burst(burst[0], burst[1], factor))
+                              max_output=384, burst=[Burst(a, d, f) for (a, d), f in zip(bursts, factors)])
     return make
+
+
+ONE = {"burst_factors": [6.0], "spans": [(5.0, math.inf)]}
 
 
 @pytest.mark.parametrize("target", [1.2, 1.5, 3.0])
 def test_calibration_hits_the_target(target):
     speeds = Speeds(5000.0, 0.012, 8, "probe")
-    cal = calibrate(_maker(), rate=1.0, burst_factor=6.0, speeds=speeds, capacity_tokens=4096, target=target)
-    assert cal.planned_ratio == pytest.approx(target, rel=0.1)
-    assert cal.base_ratio is not None and cal.base_ratio <= BASE_LOAD_MAX and cal.burst_factor > 1
-    trace = _maker()(cal.rate, cal.burst_factor)
+    cal = calibrate(_maker(), rate=1.0, **ONE, speeds=speeds, capacity_tokens=4096, target=target)
+    assert cal.planned_ratio == pytest.approx(target, rel=0.1) and cal.burst_ratios == (cal.planned_ratio,)
+    assert cal.base_ratio is not None and cal.base_ratio <= BASE_LOAD_MAX and cal.burst_factors[0] > 1
+    trace = _maker()(cal.rate, cal.burst_factors)
     assert len(trace) == cal.requests and peak_kv_demand(trace, speeds).tokens == pytest.approx(cal.planned_peak_tokens)
     assert 5.0 <= cal.planned_peak_at_s <= 15.0 + 30  # the peak comes with the burst (or its tail)
     d = cal.to_dict()
     assert d["planned_ratio"] == cal.planned_ratio and d["speeds"]["source"] == "probe"
+    assert d["burst_factors"] == list(cal.burst_factors)
+
+
+def test_each_burst_is_sized_for_what_it_adds():
+    # two windows apart: each one's peak over its span (its start to the next one's) reaches the target; the
+    # second, starting where the first left nothing in flight, needs about the same factor
+    speeds = Speeds(5000.0, 0.012, 8, "probe")
+    windows = ((5.0, 10.0), (40.0, 10.0))
+    spans = [(5.0, 40.0), (40.0, math.inf)]
+    make = _maker(duration=60.0, bursts=windows, seed=2)
+    cal = calibrate(make, rate=1.0, burst_factors=[6.0, 6.0], spans=spans, speeds=speeds, capacity_tokens=4096,
+                    target=1.5)
+    assert len(cal.burst_factors) == 2 and all(f > 1 for f in cal.burst_factors)
+    trace = make(cal.rate, cal.burst_factors)
+    for (a, b), ratio in zip(spans, cal.burst_ratios):
+        assert ratio == pytest.approx(1.5, rel=0.1)
+        assert peak_kv_demand(trace, speeds, start_s=a, end_s=b).tokens / 4096 == pytest.approx(ratio)
+    assert cal.burst_factors[1] == pytest.approx(cal.burst_factors[0], rel=0.2)
+    # back to back on a slower machine, the second burst starts on top of the first one's tail: a smaller factor
+    close = _maker(duration=60.0, bursts=((5.0, 10.0), (15.0, 10.0)), seed=2)
+    tight = calibrate(close, rate=1.0, burst_factors=[6.0, 6.0], spans=[(5.0, 15.0), (15.0, math.inf)],
+                      speeds=Speeds(2000.0, 0.05, 8, "probe"), capacity_tokens=4096, target=1.5)
+    assert tight.burst_factors[1] < tight.burst_factors[0] / 2
+    assert tight.burst_ratios == pytest.approx((1.5, 1.5), rel=0.1)
+    with pytest.raises(ValueError, match="one span per burst"):
+        calibrate(_maker(), rate=1.0, burst_factors=[6.0], spans=[], speeds=speeds, capacity_tokens=4096)
 
 
 def test_a_base_load_that_overloads_alone_is_lowered():
     slow = Speeds(300.0, 0.2, 8, "probe")  # every request stays in flight for ~30 s
-    cal = calibrate(_maker(), rate=1.0, burst_factor=6.0, speeds=slow, capacity_tokens=4096, target=1.5)
+    cal = calibrate(_maker(), rate=1.0, **ONE, speeds=slow, capacity_tokens=4096, target=1.5)
     assert cal.rate < 1.0 and cal.base_ratio <= BASE_LOAD_MAX
     assert cal.planned_ratio == pytest.approx(1.5, rel=0.15)
 
 
 def test_without_a_burst_the_rate_is_calibrated():
     speeds = Speeds(5000.0, 0.012, 8, "probe")
-    cal = calibrate(_maker(burst=None), rate=1.0, burst_factor=None, speeds=speeds, capacity_tokens=4096, target=1.5)
-    assert cal.burst_factor is None and cal.base_ratio is None and cal.rate > 1.0
+    cal = calibrate(_maker(bursts=()), rate=1.0, speeds=speeds, capacity_tokens=4096, target=1.5)
+    assert cal.burst_factors == () and cal.burst_ratios == () and cal.base_ratio is None and cal.rate > 1.0
     assert cal.planned_ratio == pytest.approx(1.5, rel=0.15)
 
 
 def test_unreachable_targets_are_errors():
     speeds = Speeds(5000.0, 0.012, 8, "probe")
-    with pytest.raises(CalibrationError, match="1000x burst"):
-        calibrate(_maker(burst=(1.0, 0.5)), rate=1.0, burst_factor=6.0, speeds=speeds, capacity_tokens=10**8, target=1.5)
+    with pytest.raises(CalibrationError, match="1000x burst needs"):
+        calibrate(_maker(bursts=((1.0, 0.5),)), rate=1.0, burst_factors=[6.0], spans=[(1.0, math.inf)], speeds=speeds,
+                  capacity_tokens=10**8, target=1.5)
+    with pytest.raises(CalibrationError, match=r"1000x burst \(burst 2 of 2, from 20 s\)"):
+        calibrate(_maker(bursts=((1.0, 10.0), (20.0, 0.05))), rate=1.0, burst_factors=[6.0, 6.0],
+                  spans=[(1.0, 20.0), (20.0, math.inf)], speeds=speeds, capacity_tokens=20_000, target=1.5)
     with pytest.raises(CalibrationError, match="requests/s"):
-        calibrate(_maker(burst=None, duration=2.0), rate=1.0, burst_factor=None, speeds=speeds, capacity_tokens=10**9,
-                  target=1.5)
+        calibrate(_maker(bursts=(), duration=2.0), rate=1.0, speeds=speeds, capacity_tokens=10**9, target=1.5)
     with pytest.raises(ValueError):
-        calibrate(_maker(), rate=1.0, burst_factor=6.0, speeds=speeds, capacity_tokens=0, target=1.5)
+        calibrate(_maker(), rate=1.0, **ONE, speeds=speeds, capacity_tokens=0, target=1.5)
 
 
 def _sample(used, total=100, queued=0, undropped=100):

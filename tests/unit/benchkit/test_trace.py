@@ -15,10 +15,12 @@ from kunserve.benchkit.trace import (
     Burst,
     TraceError,
     TraceRequest,
+    burst_windows,
     describe,
     gamma_arrivals,
     generate_trace,
     load_burstgpt_csv,
+    repeat_burst,
     save_trace_csv,
     scale_lengths,
     synth_lengths,
@@ -257,6 +259,50 @@ def test_burst_past_the_end_or_clipped():
     assert gamma_arrivals(10, 1, 50, seed=3, burst=Burst(60, 10, 5)) == plain
     t = np.array(gamma_arrivals(100, 1, 50, seed=3, burst=Burst(40, 100, 3)))
     assert t[-1] < 50 and len(t[t >= 40]) / 10 == pytest.approx(300, rel=0.15)
+
+
+def test_repeated_burst_copies_the_window_gap_apart():
+    copies = repeat_burst(Burst(5.0, 6.0, 7.0), 4, 2.0)
+    assert [(b.start_s, b.end_s, b.factor) for b in copies] == [(5, 11, 7), (13, 19, 7), (21, 27, 7), (29, 35, 7)]
+    assert repeat_burst(Burst(1.0, 2.0, 3.0), 1, 9.0) == [Burst(1.0, 2.0, 3.0)]
+    back_to_back = repeat_burst(Burst(0.0, 1.5, 2.0), 3, 0.0)  # touching windows are allowed
+    assert burst_windows(back_to_back) == back_to_back
+    for copies, gap in ((0, 1.0), (2, -1.0), (2, math.inf), (2, math.nan)):
+        with pytest.raises(ValueError):
+            repeat_burst(Burst(0.0, 1.0, 2.0), copies, gap)
+
+
+def test_burst_windows_are_sorted_and_must_not_overlap():
+    a, b = Burst(30.0, 5.0, 2.0), Burst(5.0, 10.0, 4.0)
+    assert burst_windows([a, b]) == [b, a] and burst_windows(a) == [a] and burst_windows(None) == []
+    with pytest.raises(ValueError, match=r"overlap: \[5, 15\) s and \[14, 16\) s"):
+        burst_windows([b, Burst(14.0, 2.0, 2.0)])
+
+
+def test_several_burst_windows_each_hold_their_factor_times_the_rate():
+    rate = 50.0
+    windows = repeat_burst(Burst(20.0, 20.0, 4.0), 3, 20.0) + [Burst(130.0, 20.0, 2.0)]  # 20-40, 60-80, 100-120
+    t = np.array(gamma_arrivals(rate, 1.0, 160.0, seed=4, burst=windows))
+    assert np.all(np.diff(t) >= 0) and t[-1] < 160.0
+    for lo, hi, factor in ((0, 20, 1), (20, 40, 4), (40, 60, 1), (60, 80, 4), (80, 100, 1), (100, 120, 4),
+                           (120, 130, 1), (130, 150, 2), (150, 160, 1)):
+        assert np.count_nonzero((t >= lo) & (t < hi)) / (hi - lo) == pytest.approx(rate * factor, rel=0.15), (lo, hi)
+    # one window given alone or in a list: the same arrivals; unsorted windows are the same windows
+    one = Burst(10.0, 5.0, 3.0)
+    assert gamma_arrivals(5, 1, 30, seed=1, burst=one) == gamma_arrivals(5, 1, 30, seed=1, burst=[one])
+    assert (gamma_arrivals(5, 1, 90, seed=1, burst=windows[::-1])
+            == gamma_arrivals(5, 1, 90, seed=1, burst=windows))
+    with pytest.raises(ValueError, match="overlap"):
+        gamma_arrivals(5, 1, 30, seed=1, burst=[one, Burst(12.0, 5.0, 2.0)])
+
+
+def test_a_later_burst_leaves_the_earlier_arrivals_alone():
+    # calibration sizes the bursts in time order on this: a factor moves only the arrivals after its window starts
+    first = Burst(5.0, 5.0, 3.0)
+    calm = gamma_arrivals(8, 1, 40, seed=2, burst=[first, Burst(20.0, 5.0, 1.0)])
+    busy = gamma_arrivals(8, 1, 40, seed=2, burst=[first, Burst(20.0, 5.0, 9.0)])
+    assert [x for x in calm if x < 20] == [x for x in busy if x < 20]
+    assert len([x for x in busy if 20 <= x < 25]) > 3 * len([x for x in calm if 20 <= x < 25])
 
 
 def test_generators_are_deterministic_for_a_seed():

@@ -52,7 +52,8 @@ def test_generated_trace_is_deterministic_and_scaled(tmp_path):
                  "--save-trace", str(tmp_path / "t.csv"))
     trace, source = bench.build_trace(args)
     again, _ = bench.build_trace(args)
-    assert trace == again and source["kind"] == "gamma" and source["burst"]["factor"] == 6.0
+    assert trace == again and source["kind"] == "gamma" and source["repeat"] is None
+    assert source["bursts"] == [{"start_s": 5.0, "duration_s": 20.0, "factor": 6.0}]
     assert all(r.prompt_tokens <= bench.DEFAULT_MAX_PROMPT and r.output_tokens <= bench.DEFAULT_MAX_OUTPUT for r in trace)
     # the saved trace replays as the same requests
     from_csv, _ = bench.build_trace(parse("run", "--trace", str(tmp_path / "t.csv"), "--length-scale", "1"))
@@ -103,7 +104,7 @@ def _doc(policy: str, ttfts: list[float], tpot: float, failed: int = 0, *, drop:
     results = [_result(i, float(i), t, tpot) for i, t in enumerate(ttfts)]
     results += [_result(len(ttfts) + j, 0.5, 0, 0, ok=False) for j in range(failed)]
     samples = [ClusterSample(t_s=t, kv_blocks_used=usage, kv_blocks_total=100, queued_demand_blocks=0,
-                             units=2 - (drop and 1 <= t < 3), pipelined_units=int(drop and 1 <= t < 3),
+                             units=2 - (drop and 1 <= t < 3), pipelined_units=int(drop and 1 <= t < 3), workers=2,
                              epoch=1 + drop * (int(t >= 1) + int(t >= 3)), kv_blocks_undropped=100) for t in range(5)]
     trace = [TraceRequest(float(i), 10, 4) for i in range(len(results))]
     return bench.run_record(ReplayOutcome(results, 10.0, samples), policy=policy, trace_source={"kind": "test"},
@@ -126,7 +127,7 @@ def test_compare_record_ratios_and_common_slo_reference():
     k, r = rec["runs"]["kunserve"][0], rec["runs"]["recompute"][0]
     assert k["summary"]["slo"]["ttft"]["1"] == 0.0
     assert r["summary"]["slo"]["ttft"]["1"] == pytest.approx(90 / 101)
-    assert k["drops"] == 1 and k["epoch_changes"] == 2 and k["drop_seconds"] == pytest.approx(2.0)
+    assert k["drops"] == 1 and k["restores"] == 1 and k["epoch_changes"] == 2 and k["drop_seconds"] == pytest.approx(2.0)
     assert rec["medians"]["kunserve"]["drops"] == {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}
     assert rec["overload"]["verdict"] == "overloaded" and rec["repeats"] == 1
     json.dumps(rec)
@@ -170,7 +171,7 @@ def test_a_trace_that_never_overloaded_says_so_instead_of_ratios():
 
 
 def test_drop_periods_from_samples():
-    mk = lambda t, p: ClusterSample(t, 0, 1, 0, 2 - p, p, 1)  # noqa: E731
+    mk = lambda t, p: ClusterSample(t, 0, 1, 0, 2 - p, p, 2, 1)  # noqa: E731
     assert drop_periods([mk(0, 0), mk(1, 1), mk(2, 1), mk(3, 0), mk(4, 1)]) == [(1, 3), (4, 4)]
     assert drop_periods([]) == []
 
@@ -190,6 +191,7 @@ def test_sample_counts_a_pipeline_group_once():
             memory_manager_pb2.WorkerLayout(worker_id="w2", layer_start=0, layer_end=4, group_id="w2")]))
     s = sample_from_status(status, 1.5)
     assert (s.kv_blocks_used, s.kv_blocks_total, s.units, s.pipelined_units, s.epoch) == (320, 768, 2, 1, 3)
+    assert s.workers == 3 and s.to_dict()["workers"] == 3
     assert s.queued_demand_blocks == 7 and s.kv_usage == pytest.approx(320 / 768)
 
 
@@ -379,8 +381,8 @@ def test_calibration_sizes_the_burst_to_the_capacity(monkeypatch, tmp_path):
                                        int(0.75 * 2048 / (asked["prompt_tokens"] + 32)))
     assert peak_kv_demand(trace, speeds).tokens / 4096 == pytest.approx(record["planned_ratio"])
     assert record["planned_ratio"] == pytest.approx(1.5, rel=0.1)
-    assert record["base_ratio"] <= 0.5 and record["burst_factor"] > 1.0
-    assert source["burst"]["factor"] == record["burst_factor"] and source["burst"]["start_s"] == 5.0
+    assert record["base_ratio"] <= 0.5 and record["burst_factors"][0] > 1.0 and record["given"]["burst_factors"] == [6.0]
+    assert source["bursts"] == [{"start_s": 5.0, "duration_s": 10.0, "factor": record["burst_factors"][0]}]
     saved, _ = bench.build_trace(parse("run", "--trace", str(tmp_path / "t.csv"), "--length-scale", "1"), save=False)
     assert len(saved) == len(trace) == record["requests"]  # --save-trace wrote the calibrated trace
     assert "planned peak KV demand 1.5" in console.export_text()
@@ -388,7 +390,8 @@ def test_calibration_sizes_the_burst_to_the_capacity(monkeypatch, tmp_path):
     _fake_cluster(monkeypatch, speeds=Speeds(50000.0, 0.003, 8, "probe"))
     _, _, fast = bench.plan_trace(args, Console(record=True), address="a", admin="m", creds=None, cfg=cfg, workers=2,
                                   where="test")
-    assert fast["burst_factor"] > 2 * record["burst_factor"] and fast["planned_ratio"] == pytest.approx(1.5, rel=0.1)
+    assert fast["burst_factors"][0] > 2 * record["burst_factors"][0]
+    assert fast["planned_ratio"] == pytest.approx(1.5, rel=0.1)
 
 
 def test_calibration_of_a_loaded_trace_reports_its_plan_only(monkeypatch, tmp_path):
