@@ -11,6 +11,7 @@ import grpc
 from kunserve import client
 from kunserve.cli.launcher import assign_free_ports, with_workers
 from kunserve.shared.config import load_config
+from kunserve.v1 import common_pb2
 
 TEST_POOL_MIB = 48
 
@@ -41,6 +42,18 @@ def internal_channel(cluster, address: str):
 
     return rpc.channel(address, token=credentials.read_token(cluster.cfg.security.cluster_secret_file,
                                                               credentials.CLUSTER_SECRET))
+
+
+def worker_stats(cluster) -> common_pb2.WorkerStats:
+    """GetStats of a one-worker cluster's worker (KV blocks in use, running requests), as the dispatcher sees it."""
+    from kunserve.v1 import worker_pb2_grpc
+
+    async def stats() -> common_pb2.WorkerStats:
+        (w,) = cluster.cfg.workers
+        async with internal_channel(cluster, w.address) as ch:
+            return await worker_pb2_grpc.WorkerStub(ch).GetStats(common_pb2.Empty(), timeout=5)
+
+    return run(stats())
 
 
 def admin_channel(cluster):

@@ -13,13 +13,12 @@ import time
 
 import openai
 import pytest
-from helpers import check_against_reference, generate_many, internal_channel, make_config, run
+from helpers import check_against_reference, generate_many, make_config, run, worker_stats
 
 from kunserve import client
 from kunserve.cli.launcher import LocalCluster
 from kunserve.shared.model.chat_template import chat_template_for
 from kunserve.shared.model.tokenizer import ByteTokenizer
-from kunserve.v1 import common_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -50,14 +49,6 @@ def grpc_text(c: LocalCluster, prompt, max_tokens: int) -> tuple[list[int], str]
     assert not isinstance(res, BaseException), res
     return res.token_ids, res.text
 
-
-def worker_stats(c: LocalCluster) -> common_pb2.WorkerStats:
-    async def stats() -> common_pb2.WorkerStats:
-        (w,) = c.cfg.workers
-        async with internal_channel(c, w.address) as ch:
-            return await worker_pb2_grpc.WorkerStub(ch).GetStats(common_pb2.Empty(), timeout=5)
-
-    return run(stats())
 
 
 def test_models_health_version(front):

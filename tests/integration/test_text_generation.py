@@ -9,24 +9,16 @@ import json
 import time
 
 import pytest
-from helpers import generate_many, internal_channel, make_config, run
+from helpers import generate_many, make_config, run, worker_stats
 
 from kunserve import client
 from kunserve.cli.export_model import export_model
 from kunserve.cli.launcher import LocalCluster
 from kunserve.shared.model.tokenizer import load_tokenizer
-from kunserve.v1 import common_pb2, generation_pb2, worker_pb2_grpc
+from kunserve.v1 import common_pb2, generation_pb2
 
 pytestmark = pytest.mark.integration
 
-
-def _worker_stats(cluster) -> common_pb2.WorkerStats:
-    async def stats() -> common_pb2.WorkerStats:
-        (w,) = cluster.cfg.workers
-        async with internal_channel(cluster, w.address) as ch:
-            return await worker_pb2_grpc.WorkerStub(ch).GetStats(common_pb2.Empty(), timeout=5)
-
-    return run(stats())
 
 
 def test_text_generation_with_defaults_stream_decoding_and_stop_strings(tmp_path):
@@ -60,7 +52,7 @@ def test_text_generation_with_defaults_stream_decoding_and_stop_strings(tmp_path
         assert stopped.text == text[:k] and stopped.finish_reason == "stop"
         assert len(stopped.token_ids) < 24 and stopped.token_ids == long.token_ids[:len(stopped.token_ids)]
         deadline = time.monotonic() + 60
-        while (stats := _worker_stats(c)).kv_blocks_used and time.monotonic() < deadline:
+        while (stats := worker_stats(c)).kv_blocks_used and time.monotonic() < deadline:
             time.sleep(0.1)
         assert stats.kv_blocks_used == 0, f"{stats.kv_blocks_used} KV blocks still held after the stop string"
         generated_before = len(short.token_ids) + len(long.token_ids)
