@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import Callable
 
 import pytest
-from aiohttp import web
+from fake_openai import FakeServer, chunk, sse, usage
 
 from kunserve.benchkit.openai_replay import (
     CompletionStream,
@@ -28,20 +27,6 @@ from kunserve.benchkit.trace import TraceRequest
 
 def run(coro, timeout: float = 60.0):
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-def sse(obj) -> bytes:
-    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
-
-
-def chunk(text: str, finish: str | None = None) -> dict:
-    return {"object": "text_completion", "choices": [{"index": 0, "text": text, "logprobs": None,
-                                                      "finish_reason": finish}], "usage": None}
-
-
-def usage(n: int) -> dict:
-    return {"object": "text_completion", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": n,
-                                                                  "total_tokens": 4 + n}}
 
 
 def events_of(*pieces: bytes) -> list[str]:
@@ -174,67 +159,6 @@ def test_open_loop_sends_at_arrival_and_stop_counts_the_unsent():
 
 
 # ------------------------------------------------------------------------------ against a fake server
-
-
-class FakeServer:
-    """/v1/models and streamed /v1/completions; request `bench-<i>` is answered by `behaviour(i)`."""
-
-    def __init__(self, behaviour: Callable[[int], str] = lambda i: "tokens", key: str | None = None,
-                 models: object = None) -> None:
-        self.behaviour = behaviour
-        self.key = key
-        self.models = models if models is not None else {"object": "list", "data": [{"id": "fake-model"}]}
-        self.bodies: dict[int, dict] = {}
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def start(self) -> FakeServer:
-        app = web.Application()
-        app.router.add_get("/v1/models", self.list_models)
-        app.router.add_post("/v1/completions", self.completions)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}/v1"
-        return self
-
-    async def stop(self) -> None:
-        assert self.runner is not None
-        await self.runner.cleanup()
-
-    def _authorized(self, request: web.Request) -> bool:
-        return self.key is None or request.headers.get("Authorization") == f"Bearer {self.key}"
-
-    async def list_models(self, request: web.Request) -> web.StreamResponse:
-        if not self._authorized(request):
-            return web.json_response({"error": {"message": "bad key"}}, status=401)
-        if isinstance(self.models, str):
-            return web.Response(text=self.models, content_type="text/html")
-        return web.json_response(self.models)
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        index = int(request.headers["X-Request-Id"].removeprefix("bench-"))
-        self.bodies[index] = body
-        kind = self.behaviour(index)
-        if kind == "refuse":
-            return web.json_response({"error": {"message": "too many requests", "type": "rate_limit"}}, status=429)
-        if kind == "json":
-            return web.json_response({"choices": [{"text": "x"}]})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        n = body["max_tokens"]
-        for k in range(n):
-            if kind == "error" and k == 1:
-                await resp.write(sse({"error": {"message": "worker lost"}}) + b"data: [DONE]\n\n")
-                return resp
-            if kind == "cut" and k == 1:
-                return resp  # ends the body without a finish_reason or [DONE]
-            await resp.write(sse(chunk(f"t{k}", "length" if k == n - 1 else None)))
-        await resp.write(sse(usage(n)) + b"data: [DONE]\n\n")
-        return resp
 
 
 def with_server(server: FakeServer, fn):
