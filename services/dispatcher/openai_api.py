@@ -113,7 +113,7 @@ def _bool(body: Mapping[str, Any], key: str, default: bool = False) -> bool:
     return v
 
 
-def _token_ids(v: Any, param: str) -> list[int] | None:
+def _token_ids(v: Any) -> list[int] | None:
     """`v` as a list of token ids, or None when it is not a list of integers."""
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         return None
@@ -205,7 +205,7 @@ def _sampling(body: Mapping[str, Any], chat: bool) -> common_pb2.SamplingParams:
     elif stop is not None:
         raise _bad("stop", f"must be a string or a list of strings, got {stop!r}")
     if "stop_token_ids" in body and body["stop_token_ids"] is not None:
-        ids = _token_ids(body["stop_token_ids"], "stop_token_ids")
+        ids = _token_ids(body["stop_token_ids"])
         if ids is None:
             raise _bad("stop_token_ids", "must be a list of integers")
         s.stop_token_ids.extend(ids)
@@ -238,7 +238,8 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, _bool(opts, "include_usage")
 
 
-def _request(body: Any, served: str, chat: bool, request_id: str | None) -> tuple[Mapping[str, Any], OpenAIRequest]:
+def _request(body: Any, served: str, chat: bool, request_id: str | None) -> OpenAIRequest:
+    """What both endpoints share: the body is an object, the model, refused fields, streaming and sampling."""
     if not isinstance(body, Mapping):
         raise ApiError(400, "the request body must be a JSON object")
     _check_model(body, served)
@@ -248,18 +249,18 @@ def _request(body: Any, served: str, chat: bool, request_id: str | None) -> tupl
     logprobs = _logprobs(body, chat)
     if logprobs is not None:
         gen.sampling.logprobs = logprobs
-    return body, OpenAIRequest(chat, gen, stream, include_usage, logprobs)
+    return OpenAIRequest(chat, gen, stream, include_usage, logprobs)
 
 
 def parse_completion(body: Any, served: str, request_id: str | None = None) -> OpenAIRequest:
     """A /v1/completions body. `prompt`: a string, a list of token ids, or a one-element list of either."""
-    body, req = _request(body, served, False, request_id)
+    req = _request(body, served, False, request_id)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
         req.generate.text = prompt
-    elif (ids := _token_ids(prompt, "prompt")) is not None:
+    elif (ids := _token_ids(prompt)) is not None:
         req.generate.token_ids.ids.extend(ids)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         raise _bad("prompt", f"a batch of {len(prompt)} prompts is not supported; send one prompt per request")
@@ -305,7 +306,7 @@ def parse_chat(body: Any, served: str, render: Callable[[list[dict[str, Any]], b
                request_id: str | None = None) -> OpenAIRequest:
     """A /v1/chat/completions body; `render(messages, add_generation_prompt)` gives the prompt's token ids (the
     chat template, encoded without added special tokens)."""
-    body, req = _request(body, served, True, request_id)
+    req = _request(body, served, True, request_id)
     messages = chat_messages(body)
     req.generate.token_ids.ids.extend(render(messages, _bool(body, "add_generation_prompt", default=True)))
     return req
