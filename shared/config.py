@@ -103,6 +103,11 @@ class MemoryManagerSection(ServiceSection):
     # A worker paused for a transition aborts it on its own after this long without a step or a renewal
     # (the memory manager renews every lease / 3): a dead memory manager never leaves workers paused.
     transition_lease_s: float = 5.0
+    # KunServe §4.2: a transition's members resume as soon as the layout has changed (the freed pages hold KV,
+    # queued requests run) while the running requests' KV streams in the background; only those requests wait
+    # until theirs has landed. false: every member pauses from Prepare until the whole exchange has landed
+    # (the "kunserve-no-coord" ablation).
+    coordinated_exchange: bool = True
 
 
 @dataclass

@@ -58,20 +58,22 @@ class SeqState(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., num_preemptions: _Optional[int] = ..., age_s: _Optional[float] = ..., old_blocks: _Optional[_Iterable[int]] = ..., new_blocks: _Optional[_Iterable[int]] = ..., old_unit: _Optional[str] = ..., new_unit: _Optional[str] = ...) -> None: ...
 
 class TransitionSpec(_message.Message):
-    __slots__ = ("epoch", "op", "old_units", "new_units", "seqs", "lease_s")
+    __slots__ = ("epoch", "op", "old_units", "new_units", "seqs", "lease_s", "background_kv")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     OLD_UNITS_FIELD_NUMBER: _ClassVar[int]
     NEW_UNITS_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    BACKGROUND_KV_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     op: str
     old_units: _containers.RepeatedCompositeFieldContainer[Unit]
     new_units: _containers.RepeatedCompositeFieldContainer[Unit]
     seqs: _containers.RepeatedCompositeFieldContainer[SeqState]
     lease_s: float
-    def __init__(self, epoch: _Optional[int] = ..., op: _Optional[str] = ..., old_units: _Optional[_Iterable[_Union[Unit, _Mapping]]] = ..., new_units: _Optional[_Iterable[_Union[Unit, _Mapping]]] = ..., seqs: _Optional[_Iterable[_Union[SeqState, _Mapping]]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    background_kv: bool
+    def __init__(self, epoch: _Optional[int] = ..., op: _Optional[str] = ..., old_units: _Optional[_Iterable[_Union[Unit, _Mapping]]] = ..., new_units: _Optional[_Iterable[_Union[Unit, _Mapping]]] = ..., seqs: _Optional[_Iterable[_Union[SeqState, _Mapping]]] = ..., lease_s: _Optional[float] = ..., background_kv: _Optional[bool] = ...) -> None: ...
 
 class TransitionRef(_message.Message):
     __slots__ = ("epoch",)

@@ -122,10 +122,12 @@ ME = "memory-manager"  # who this process is to fault_point
 
 
 class Orchestrator:
-    def __init__(self, cluster: ClusterAccess, timeout_s: float, lease_s: float = 5.0) -> None:
+    def __init__(self, cluster: ClusterAccess, timeout_s: float, lease_s: float = 5.0, *,
+                 background_kv: bool = True) -> None:
         self.cluster = cluster
         self.timeout_s = timeout_s
         self.lease_s = lease_s
+        self.background_kv = background_kv  # memory_manager.coordinated_exchange
         self.lock = asyncio.Lock()
         self.running_epoch = 0
         self.started_epochs: set[int] = set()  # transitions this process began (the others are orphans)
@@ -403,7 +405,8 @@ class Orchestrator:
                      migrate: tuple[str, str, int] | None, epoch: int,
                      workers: list[str]) -> memory_manager_pb2.TransitionReport:
         spec = worker_pb2.TransitionSpec(epoch=epoch, op=op, old_units=[unit_to_pb(u) for u in old_units],
-                                         new_units=[unit_to_pb(u) for u in new_units], lease_s=self.lease_s)
+                                         new_units=[unit_to_pb(u) for u in new_units], lease_s=self.lease_s,
+                                         background_kv=self.background_kv)
         report = memory_manager_pb2.TransitionReport(op=op, epoch=self.cluster.layout.epoch)
         self.log.info("transition_start", op=op, epoch=epoch, new_units=[u.unit_id for u in new_units])
         timeout = self.timeout_s

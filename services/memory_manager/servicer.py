@@ -48,7 +48,8 @@ class MemoryManager:
         self._channels = {w.id: channel(w.address) for w in cfg.workers}
         self.monitor_channel = channel(cfg.monitor.address)
         self.orchestrator = Orchestrator(self, cfg.memory_manager.transition_timeout_s,
-                                         cfg.memory_manager.transition_lease_s)
+                                         cfg.memory_manager.transition_lease_s,
+                                         background_kv=cfg.memory_manager.coordinated_exchange)
         self._infos: dict[str, worker_pb2.WorkerInfo] = {}  # the latest GetInfo of each reachable worker
         self._linking: asyncio.Task | None = None
         self._link_retry_at: dict[str, float] = {}  # a worker whose links failed is asked again after this

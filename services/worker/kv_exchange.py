@@ -3,19 +3,20 @@ the transfer service's KV-exchange class.
 
 A flow's message is its parts' blocks in order, each part as ``Engine.export_blocks`` lays it out (layer-major
 over the part's layers); the receiver computes the same flows from the same spec, so it knows which messages
-to wait for and how to slice them (``import_flow``). The engine copies the bytes; this module only packs,
-sends, receives and unpacks.
+to wait for and how to slice them (``import_flow``; ``landing_slices`` when the KV lands while the engine
+serves). The engine copies the bytes; this module only packs, sends, receives and unpacks.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import torch
 
 from kunserve.shared.engine.engine import Engine
 from kunserve.shared.log import get_logger
-from kunserve.shared.policy.transition_plan import Flow
+from kunserve.shared.policy.transition_plan import Flow, FlowPart
 from kunserve.shared.transfer.framing import KV_EXCHANGE
 from kunserve.shared.transfer.service import SendHandle, TransferService
 
@@ -29,13 +30,19 @@ def export_flow(engine: Engine, flow: Flow) -> torch.Tensor:
 
 def import_flow(engine: Engine, flow: Flow, data: torch.Tensor) -> None:
     """Write a flow's message at every part's new blocks (engine thread); checks its length first."""
+    for p, blocks in _split(flow, data):
+        engine.import_blocks(p.new_blocks, p.layer_start, p.layer_end, blocks)
+
+
+def _split(flow: Flow, data: torch.Tensor) -> Iterator[tuple[FlowPart, torch.Tensor]]:
+    """Every part of a flow with its slice of the message (ValueError first when the length is wrong)."""
     if data.shape[0] != flow.num_block_layers():
         raise ValueError(f"KV exchange: {data.shape[0]} blocks received from {flow.src}, "
                          f"{flow.num_block_layers()} expected")
     at = 0
     for p in flow.parts:
         n = p.num_layers * len(p.new_blocks)
-        engine.import_blocks(p.new_blocks, p.layer_start, p.layer_end, data[at:at + n])
+        yield p, data[at:at + n]
         at += n
 
 
@@ -54,22 +61,51 @@ def send_flows(svc: TransferService, outgoing: dict[Pair, Flow], messages: dict[
     return handles, sent
 
 
-async def receive_flows(svc: TransferService, incoming: dict[Pair, Flow], me: str, epoch: int,
-                        timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
-    """The message of every incoming flow, by source, and the bytes received; messages of another epoch or
-    from a worker that sends this one nothing are dropped. TimeoutError names who did not send in time."""
-    received: dict[str, torch.Tensor] = {}
-    nbytes = 0
+async def arrivals(svc: TransferService, incoming: dict[Pair, Flow], me: str, epoch: int, timeout_s: float,
+                   wanted: Callable[[], bool] = lambda: True) -> AsyncIterator[tuple[Flow, torch.Tensor]]:
+    """Every incoming flow with its message, in the order they arrive; messages of another epoch or from a
+    worker that sends this one nothing are dropped. Stops early once `wanted()` turns false (checked at
+    least every 0.25 s: the layout the KV was meant for is gone). TimeoutError names who did not send in
+    time."""
+    by_src = {f.src: f for (src, dst), f in incoming.items() if dst == me and src != me}
     deadline = time.monotonic() + timeout_s
-    while len(received) < len(incoming):
+    while by_src and wanted():
         left = deadline - time.monotonic()
         if left <= 0:
-            missing = sorted(f.src for f in incoming.values() if f.src not in received)
-            raise TimeoutError(f"KV exchange: nothing from {', '.join(missing)} within {timeout_s} s")
-        msg = await svc.recv(KV_EXCHANGE, timeout=left)
-        if msg.header.epoch != epoch or (msg.peer, me) not in incoming:
+            raise TimeoutError(f"KV exchange: nothing from {', '.join(sorted(by_src))} within {timeout_s} s")
+        try:
+            msg = await svc.recv(KV_EXCHANGE, timeout=min(left, 0.25))
+        except TimeoutError:
+            continue
+        if msg.header.epoch != epoch or msg.peer not in by_src:
             get_logger().warning("stale_kv_message_dropped", peer=msg.peer, epoch=msg.header.epoch)
             continue
-        received[msg.peer] = msg.data
-        nbytes += msg.data.numel() * msg.data.element_size()
+        yield by_src.pop(msg.peer), msg.data
+
+
+async def receive_flows(svc: TransferService, incoming: dict[Pair, Flow], me: str, epoch: int,
+                        timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
+    """The message of every incoming flow, by source, and the bytes received (see ``arrivals``)."""
+    received: dict[str, torch.Tensor] = {}
+    nbytes = 0
+    async for flow, data in arrivals(svc, incoming, me, epoch, timeout_s):
+        received[flow.src] = data
+        nbytes += data.numel() * data.element_size()
     return received, nbytes
+
+
+def landing_slices(flow: Flow, data: torch.Tensor, max_bytes: int) -> Iterator[list[tuple[FlowPart, torch.Tensor]]]:
+    """A flow's parts with their slices of its message, grouped so each group's KV is about `max_bytes` (at least
+    one part): what one write between two engine iterations lands while the engine serves (§4.2: the exchange
+    yields to the computation in chunks of about a stage's step)."""
+    row = data[0].numel() * data.element_size() if data.shape[0] else 0
+    group: list[tuple[FlowPart, torch.Tensor]] = []
+    size = 0
+    for p, blocks in _split(flow, data):
+        if group and size + blocks.shape[0] * row > max_bytes:
+            yield group
+            group, size = [], 0
+        group.append((p, blocks))
+        size += blocks.shape[0] * row
+    if group:
+        yield group

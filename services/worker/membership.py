@@ -16,6 +16,7 @@ import torch
 
 from kunserve.shared.engine.api import SeqSnapshot
 from kunserve.shared.engine.engine import Engine, GroupBroken
+from kunserve.shared.engine.kv_landing import KVLanding
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.log import get_logger
@@ -26,6 +27,7 @@ from .group import GroupRole, StageRunner, UcxPipelineLink
 
 PING = "ping"
 LEAVE = "leave"
+LANDED = "kv-landed"  # a member wrote its share of these requests' KV (header.request_ids) of transition header.epoch
 
 
 class GroupMembership:
@@ -48,20 +50,22 @@ class GroupMembership:
         svc.on_message(CONTROL, self._on_control)  # liveness pings (arriving is all they do) and "leave"
 
     # -- taking a role (engine thread) ------------------------------------------------------------------------
-    def take(self, engine: Engine, role: GroupRole, seqs: list[SeqSnapshot], loop: asyncio.AbstractEventLoop) -> None:
+    def take(self, engine: Engine, role: GroupRole, seqs: list[SeqSnapshot], loop: asyncio.AbstractEventLoop,
+             landing: KVLanding | None = None) -> None:
         """Become what the new unit needs: a whole instance, a group head (link to the later stages, block
-        space capped at the unit's kv_blocks), or a later stage (no requests of its own)."""
+        space capped at the unit's kv_blocks), or a later stage (no requests of its own). `landing`: the
+        transition's KV lands after the commit (the requests it waits for are held until then)."""
         self._loop = loop
         if len(role.unit.members) == 1:
-            engine.become_whole(seqs)
+            engine.become_whole(seqs, landing=landing)
             self.stage.leave()
             self.role = None
             return
         link = UcxPipelineLink(self.svc, loop, role, self.timeout_s) if role.is_head else None
         if link is not None:
-            engine.become_head(link, role.unit.kv_blocks, seqs)
+            engine.become_head(link, role.unit.kv_blocks, seqs, landing)
         else:
-            engine.become_stage()
+            engine.become_stage(landing)
         self.stage.join(role, link)
         self.role = role
 
@@ -111,8 +115,22 @@ class GroupMembership:
 
     def _on_control(self, msg: Received) -> None:
         role = self.role
-        if msg.header.name == LEAVE and role is not None and msg.header.epoch == role.epoch and msg.peer in role.members:
+        if role is None or msg.header.epoch != role.epoch or msg.peer not in role.members:
+            return
+        if msg.header.name == LEAVE:
             self._peer_lost(msg.peer, "it left the group")
+        elif msg.header.name == LANDED and role.is_head:
+            epoch, peer, rids = role.epoch, msg.peer, list(msg.header.request_ids)
+            self.engine_loop.call(lambda engine: engine.kv_landed(epoch, peer, rids))
+
+    def break_group(self, epoch: int, why: str) -> None:
+        """Leave the group of transition `epoch` (if this worker is still in it) as if a member had been lost:
+        every member heals and the requests re-prefill."""
+        role = self.role
+        if role is None or role.epoch != epoch:
+            return
+        other = next(m for m in role.members if m != self.worker_id)
+        self._peer_lost(other, why)
 
     def _peer_lost(self, peer: str, error: object) -> None:
         role = self.role

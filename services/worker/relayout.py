@@ -40,26 +40,32 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kunserve.shared.engine.api import SeqSnapshot, TokenEvent
 from kunserve.shared.engine.engine import Engine
+from kunserve.shared.engine.kv_landing import KVLanding
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
-from kunserve.shared.faults import fault_point
+from kunserve.shared.faults import fault_delay, fault_point
 from kunserve.shared.log import get_logger
 from kunserve.shared.policy.cluster import Unit
-from kunserve.shared.policy.transition_plan import SeqMove, TransitionError, kv_flows, unit_of, weight_pieces
+from kunserve.shared.policy.transition_plan import Flow, SeqMove, TransitionError, kv_flows, unit_of, weight_pieces
 from kunserve.shared.streams import StreamRegistry
-from kunserve.shared.transfer.service import TransferService
+from kunserve.shared.transfer.framing import CONTROL
+from kunserve.shared.transfer.service import SendHandle, TransferError, TransferService
 from kunserve.shared.wire.transitions import snapshot_from_pb, snapshot_to_pb, units_from_pb
 from kunserve.v1 import worker_pb2
 
 from .group import GroupRole
 from .handover import StreamHandover
-from .kv_exchange import export_flow, import_flow, receive_flows, send_flows
+from .kv_exchange import arrivals, export_flow, import_flow, landing_slices, receive_flows, send_flows
 from .lease import MAX_LEASE_S, TransitionLease
-from .membership import GroupMembership
+from .membership import LANDED, GroupMembership
 from .peers import PeerLinks, PeerUnreachable
 from .weight_exchange import WeightReceiver, export_weights, send_weights
+
+LANDING_CHUNK_BYTES = 4 << 20  # KV written per engine-thread call while landing: about one stage step's copy
 
 
 class TransitionRefused(RuntimeError):
@@ -71,12 +77,26 @@ class TransitionRefused(RuntimeError):
 
 
 @dataclass
+class _Landing:
+    """The KV exchange of a coordinated transition, landed after the commit (§4.2): the flows into this worker
+    (the local renumbering included, whose message is already here), the sends still on the wire, and whom
+    to tell which requests' KV has landed here."""
+
+    epoch: int
+    head: str                       # the new unit's head, which releases each request once all of its KV is in
+    incoming: dict[tuple[str, str], Flow]
+    local: torch.Tensor | None      # the message of the local flow, if any
+    sends: list[SendHandle]
+
+
+@dataclass
 class _Prepared:
     spec: worker_pb2.TransitionSpec
     snapshot: list[SeqSnapshot]
     executed: bool = False
     moved_out: dict[str, str] = field(default_factory=dict)  # request id -> the worker it went to (at commit)
     moved_in: list[str] = field(default_factory=list)
+    landing: _Landing | None = None  # set by a coordinated Execute, started at the commit
 
 
 @dataclass
@@ -108,6 +128,8 @@ class TransitionRunner:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._steps = asyncio.Lock()  # one step at a time (the lease's abort included)
         self.lease = TransitionLease(self._steps)
+        self._landing_task: asyncio.Task | None = None
+        self.landing_chunk_bytes = LANDING_CHUNK_BYTES
 
     # -- state ------------------------------------------------------------------------------------------
     @property
@@ -208,6 +230,7 @@ class TransitionRunner:
             await self.peers.link_members(old_units + new_units, self.timeout_s)
         except PeerUnreachable as exc:
             raise TransitionRefused(exc.code, str(exc)) from None
+        await self._settle_landing()
         self.prepared = _Prepared(spec, [])  # from here on Generate refuses new requests
         self.engine_loop.pause()
         try:
@@ -288,6 +311,8 @@ class TransitionRunner:
         self.prepared = None
         self.engine_loop.resume()
         self.membership.start_pings()
+        if p.landing is not None:
+            self._landing_task = asyncio.get_running_loop().create_task(self._land(p.landing))
         return self._done(epoch, TransitionStats())
 
     # -- the exchange -------------------------------------------------------------------------------------
@@ -333,12 +358,17 @@ class TransitionRunner:
         await self._on_engine(lambda engine: self.instance.to_range(*new_member.range, fill=False))
         stats.remap_s = time.perf_counter() - t1
 
-        # 4. receive what comes here: KV, then the weights, straight into the restored arenas
+        # 4. receive what comes here: the KV (unless it lands after the commit), then the weights, straight into
+        #    the restored arenas (a layer computes nothing before its weights are in)
+        background = spec.background_kv
+        received: dict[str, torch.Tensor] = {}
         weights_in.install()
         try:
-            received, stats.bytes_received = await receive_flows(self.svc, incoming, me, spec.epoch, self.timeout_s)
-            for h in handles:
-                await h.wait(self.timeout_s)
+            if not background:
+                received, stats.bytes_received = await receive_flows(self.svc, incoming, me, spec.epoch,
+                                                                     self.timeout_s)
+                for h in handles:
+                    await h.wait(self.timeout_s)
             await weights_in.receive(self.timeout_s)
         finally:
             weights_in.uninstall()
@@ -346,7 +376,8 @@ class TransitionRunner:
         stats.weight_bytes = dict(weights_in.bytes_by_source)
         stats.exchange_s = time.perf_counter() - t0
 
-        # 5. write the blocks at their new ids, 6. take over the requests of the new unit
+        # 5. write the blocks at their new ids (or, coordinated, after the commit while the new unit serves:
+        #    its requests whose KV moves wait for it), 6. take over the requests of the new unit
         t0 = time.perf_counter()
         local = outgoing.get((me, me))
         if local is not None:
@@ -357,11 +388,18 @@ class TransitionRunner:
         mine = [snapshot_from_pb(s, now) for s in spec.seqs if s.new_unit == new_unit.unit_id] if role.is_head else []
         old_owned = {s.request.request_id for s in p.snapshot}
         loop = self.loop
+        landing: KVLanding | None = None
+        if background:
+            p.landing = _Landing(spec.epoch, new_unit.head, incoming, messages.get(me), handles)
+            mine_ids = {s.request.request_id for s in mine}
+            landing = KVLanding.expecting(spec.epoch, {rid: ws for rid, ws in _receivers(flows).items()
+                                                       if rid in mine_ids})
 
         def finish(engine: Engine) -> None:
-            for (src, _), flow in incoming.items():
-                import_flow(engine, flow, received[src])
-            self.membership.take(engine, role, mine, loop)
+            if not background:
+                for (src, _), flow in incoming.items():
+                    import_flow(engine, flow, received[src])
+            self.membership.take(engine, role, mine, loop, landing)
 
         await self._on_engine(finish)
         stats.scatter_s = time.perf_counter() - t0
@@ -381,6 +419,77 @@ class TransitionRunner:
             p.moved_out[rid] = heads.get(new_unit_of.get(rid, ""), "")
         p.moved_in.extend(self.handover.receive(now_owned - old_owned))
 
+    # -- the coordinated exchange's landing, after the commit (§4.2) ------------------------------------------
+    async def _land(self, landing: _Landing) -> None:
+        """Write the KV that comes here while the engine serves, a slice of about ``landing_chunk_bytes``
+        between two iterations, and tell the head which requests' KV has landed here. A flow that never comes
+        (its sender died) breaks the group: its members heal and the held requests re-prefill."""
+        me = self.worker_id
+        fault_point("die_in_landing", me)
+        await asyncio.sleep(fault_delay("slow_landing", me))
+        t0 = time.perf_counter()
+        left = _receivers_here(landing.incoming)  # request id -> flows into this worker still to land
+        nbytes = 0
+        stale = False
+
+        async def write(flow: Flow, data: torch.Tensor) -> bool:
+            for group in landing_slices(flow, data, self.landing_chunk_bytes):
+                def put(engine: Engine, group: list = group) -> bool:
+                    return all(engine.land_blocks(landing.epoch, p.new_blocks, p.layer_start, p.layer_end, d)
+                               for p, d in group)
+
+                if not await self._on_engine(put):
+                    return False
+            done = []
+            for rid in {p.request_id for p in flow.parts}:
+                left[rid] -= 1
+                if not left[rid]:
+                    done.append(rid)
+            await self._report_landed(landing, sorted(done))
+            return True
+
+        try:
+            local = landing.incoming.get((me, me))
+            if local is not None and landing.local is not None:
+                stale = not await write(local, landing.local)
+            if not stale:
+                async for flow, data in arrivals(self.svc, landing.incoming, me, landing.epoch, self.timeout_s,
+                                                 wanted=lambda: self.engine_loop.engine.landing_epoch == landing.epoch):
+                    nbytes += data.numel() * data.element_size()
+                    if not await write(flow, data):
+                        stale = True
+                        break
+            for h in landing.sends:
+                await h.wait(self.timeout_s)
+        except (TimeoutError, TransferError, RuntimeError, ValueError) as exc:
+            self.log.error("kv_landing_failed", epoch=landing.epoch, error=f"{type(exc).__name__}: {exc}")
+            self.membership.break_group(landing.epoch, f"the KV exchange of transition {landing.epoch} failed: {exc}")
+            return
+        self.log.info("kv_landed", epoch=landing.epoch, received=nbytes, stale=stale,
+                      ms=round((time.perf_counter() - t0) * 1e3, 1))
+
+    async def _report_landed(self, landing: _Landing, request_ids: list[str]) -> None:
+        if not request_ids:
+            return
+        if landing.head == self.worker_id:
+            await self._on_engine(lambda engine: engine.kv_landed(landing.epoch, self.worker_id, request_ids))
+        else:
+            self.svc.submit(landing.head, CONTROL, torch.zeros(1, dtype=torch.uint8), name=LANDED,
+                            epoch=landing.epoch, request_ids=request_ids)
+
+    async def _settle_landing(self) -> None:
+        """Before the next transition: the previous one's KV has landed everywhere (a snapshot must not take
+        blocks whose KV is still on the wire). UNAVAILABLE when it does not within the timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        task = self._landing_task
+        if task is not None and not task.done():
+            await asyncio.wait([task], timeout=self.timeout_s)
+        while await self._on_engine(lambda engine: engine.kv_landing):
+            if time.monotonic() > deadline:
+                raise TransitionRefused("UNAVAILABLE", "the KV of the previous transition is still landing; "
+                                        "retry when it has")
+            await asyncio.sleep(0.02)
+
     # -- helpers ------------------------------------------------------------------------------------------
     async def _on_engine(self, fn: Callable[[Engine], Any]) -> Any:
         return await asyncio.wait_for(asyncio.wrap_future(self.engine_loop.call(fn)), self.timeout_s)
@@ -396,3 +505,21 @@ class TransitionRunner:
             weight_bytes_sent=stats.weight_bytes_sent, weight_bytes_from_peers=stats.weight_bytes.get("peer", 0),
             weight_bytes_from_host=stats.weight_bytes.get("host", 0),
             weight_bytes_from_checkpoint=stats.weight_bytes.get("checkpoint", 0))
+
+
+def _receivers(flows: dict[tuple[str, str], Flow]) -> dict[str, set[str]]:
+    """request id -> every worker that receives part of its KV in these flows."""
+    out: dict[str, set[str]] = {}
+    for (_, dst), f in flows.items():
+        for p in f.parts:
+            out.setdefault(p.request_id, set()).add(dst)
+    return out
+
+
+def _receivers_here(incoming: dict[tuple[str, str], Flow]) -> dict[str, int]:
+    """request id -> how many of these flows carry part of its KV."""
+    out: dict[str, int] = {}
+    for f in incoming.values():
+        for rid in {p.request_id for p in f.parts}:
+            out[rid] = out.get(rid, 0) + 1
+    return out

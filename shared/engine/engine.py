@@ -31,6 +31,7 @@ import torch
 from kunserve.shared.engine.accounting import BusyIdle, BusyIdleClock
 from kunserve.shared.engine.api import EngineRequest, EngineStats, FinishReason, InvalidRequest, SeqSnapshot, TokenEvent
 from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable, blocks_needed
+from kunserve.shared.engine.kv_landing import KVLanding
 from kunserve.shared.engine.kv_storage import KVStorage, TorchKVStorage
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.sampler import ChosenLogprobs, sample_rows, token_logprobs
@@ -117,6 +118,11 @@ class Engine:
         self._plan: collections.deque[Microbatch] = collections.deque()  # lookahead microbatches still to ship
         self.planned_microbatches = 0  # microbatches shipped as their lookahead plan said
         self.decode_split = DecodeSplit()  # whether the head spreads its decodes over the microbatches in flight
+        # A transition's KV still landing (kv_landing.py): requests held out of the scheduler until theirs has
+        # landed everywhere, and the blocks of held requests aborted meanwhile (freed once their KV landed).
+        self._landing: KVLanding | None = None
+        self._held: dict[str, Sequence] = {}
+        self._held_aborted: dict[str, list[int]] = {}
 
     # -- requests -------------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -149,16 +155,21 @@ class Engine:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
+        if self._held.pop(request_id, None) is not None:  # its KV is still being written into its blocks
+            self._held_aborted[request_id] = seq.block_table.ids
+            return True
         self.scheduler.remove(seq)
         return True
 
     def has_work(self) -> bool:
-        return bool(self.seqs) or bool(self._inflight)
+        """Something to compute: requests the scheduler may run (not only ones waiting for their KV to land)
+        or microbatches in flight."""
+        return len(self.seqs) > len(self._held) or bool(self._inflight)
 
     # -- one iteration ----------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         """One iteration; returns the tokens it produced (finished requests have left already)."""
-        if not self.seqs and not self._inflight:
+        if not self.has_work():
             return []
         self.clock.begin_busy()
         try:
@@ -441,11 +452,17 @@ class Engine:
         self.seqs.clear()
         self._inflight.clear()
         self._plan.clear()
+        self._landing = None
+        self._held.clear()
+        self._held_aborted.clear()
         self.allocator = BlockAllocator(self._capacity())
         self.scheduler.reset(self.allocator)
 
-    def install(self, snaps: Iterable[SeqSnapshot]) -> None:
-        """Take over requests (with their block tables in this engine's block space) after clear()."""
+    def install(self, snaps: Iterable[SeqSnapshot], landing: KVLanding | None = None) -> None:
+        """Take over requests (with their block tables in this engine's block space) after clear(). With
+        `landing`, the requests it waits for keep their blocks but stay out of the scheduler until their KV
+        has landed (``kv_landed``)."""
+        self._landing = landing
         used: list[int] = []
         for snap in snaps:
             gen = None
@@ -462,7 +479,9 @@ class Engine:
             seq.num_preemptions = snap.num_preemptions
             used.extend(snap.blocks)
             self.seqs[seq.request_id] = seq
-            if seq.block_table:
+            if landing is not None and landing.waiting(seq.request_id) and seq.block_table:
+                self._held[seq.request_id] = seq
+            elif seq.block_table:
                 self.scheduler.add_running(seq)
             else:
                 self.scheduler.add(seq)
@@ -471,39 +490,53 @@ class Engine:
             self.clock.work_waiting()
 
     def preempt_all(self) -> None:
-        """Recompute preemption of every request (their KV is gone or untrusted: a group broke)."""
+        """Recompute preemption of every request (their KV is gone or untrusted: a group broke), those whose KV
+        was still landing included: no more of it will be written."""
         self._inflight.clear()
         self._plan.clear()
         self.scheduler.pinned.clear()
+        self._landing = None
+        for seq in self._held.values():  # never swapped: their blocks hold no complete KV
+            self.allocator.free(seq.block_table.clear())
+            seq.num_computed = 0
+            seq.num_preemptions += 1
+            self.scheduler.add(seq)
+        self._held.clear()
+        for blocks in self._held_aborted.values():
+            self.allocator.free(blocks)
+        self._held_aborted.clear()
         for seq in list(self.scheduler.running):
             self.scheduler.preempt(seq)
 
     # -- roles in a layout: whole instance, group head, later stage -----------------------------------------
-    def become_head(self, link: PipelineLink, kv_blocks: int, seqs: Iterable[SeqSnapshot]) -> None:
+    def become_head(self, link: PipelineLink, kv_blocks: int, seqs: Iterable[SeqSnapshot],
+                    landing: KVLanding | None = None) -> None:
         """Head a pipeline group: later stages are reached through `link`, the block-id space (shared by every
         member) is capped at `kv_blocks`, and these requests (tables in that space) are the group's. Call with
-        this engine's layers already the group's first range, and nothing in flight."""
+        this engine's layers already the group's first range, and nothing in flight. `landing`: the KV of the
+        transition that made the group still lands (``install``)."""
         if not self.runner.is_first or self.runner.is_last:
             raise ValueError(f"a group head holds the first layers only, this engine holds "
                              f"[{self.runner.start}, {self.runner.end})")
-        self._take_role(link, kv_blocks, seqs)
+        self._take_role(link, kv_blocks, seqs, landing)
 
-    def become_stage(self) -> None:
+    def become_stage(self, landing: KVLanding | None = None) -> None:
         """A later stage of a pipeline group: no link, no requests of its own; its KV blocks are written at the
-        ids the head's microbatches name."""
+        ids the head's microbatches name (and, with `landing`, the transition's KV is written as it lands)."""
         if self.runner.is_first:
             raise ValueError(f"a later stage does not hold the first layer, this engine holds "
                              f"[{self.runner.start}, {self.runner.end})")
-        self._take_role(None, None, ())
+        self._take_role(None, None, (), landing)
 
-    def become_whole(self, seqs: Iterable[SeqSnapshot] = (), *, recompute: bool = False) -> None:
+    def become_whole(self, seqs: Iterable[SeqSnapshot] = (), *, recompute: bool = False,
+                     landing: KVLanding | None = None) -> None:
         """A whole instance of its own holding exactly these requests (the others are forgotten): no link,
         the block space is all of this engine's KV. With recompute their KV is not trusted: each re-prefills
         its prompt and generated tokens (a recompute preemption; greedy tokens stay the same)."""
         if recompute:
             seqs = [SeqSnapshot(s.request, list(s.generated), 0, [], s.generator_state, s.num_preemptions + 1)
                     for s in seqs]
-        self._take_role(None, None, seqs)
+        self._take_role(None, None, seqs, landing)
 
     def leave_group(self) -> None:
         """Stop heading (or serving as a stage of) a group that broke: every request this engine owns becomes a
@@ -513,11 +546,50 @@ class Engine:
         self.link = None
         self.kv_limit = None
 
-    def _take_role(self, link: PipelineLink | None, kv_limit: int | None, seqs: Iterable[SeqSnapshot]) -> None:
+    def _take_role(self, link: PipelineLink | None, kv_limit: int | None, seqs: Iterable[SeqSnapshot],
+                   landing: KVLanding | None = None) -> None:
         self.link = link
         self.kv_limit = kv_limit
         self.clear()
-        self.install(seqs)
+        self.install(seqs, landing)
+
+    # -- a transition's KV landing after the engine resumed (kv_landing.py) --------------------------------
+    def land_blocks(self, epoch: int, block_ids: Iterable[int], layer_start: int, layer_end: int,
+                    data: torch.Tensor) -> bool:
+        """Write landed KV (as ``import_blocks``) if this engine is still in the layout of transition `epoch`;
+        False (nothing written) when it is not: the group broke or another transition followed."""
+        if self._landing is None or self._landing.epoch != epoch:
+            return False
+        self.import_blocks(block_ids, layer_start, layer_end, data)
+        return True
+
+    def kv_landed(self, epoch: int, worker: str, request_ids: Iterable[str]) -> list[str]:
+        """`worker` has written its share of these requests' KV of transition `epoch`; the requests that now
+        have all of it run again (returned). Reports of another epoch are ignored."""
+        if self._landing is None or self._landing.epoch != epoch:
+            return []
+        ready = self._landing.landed(worker, request_ids)
+        for rid in ready:
+            seq = self._held.pop(rid, None)
+            if seq is not None:
+                self.scheduler.add_running(seq)
+            blocks = self._held_aborted.pop(rid, None)
+            if blocks is not None:
+                self.allocator.free(blocks)
+        if ready:
+            self.clock.work_waiting()
+        return ready
+
+    @property
+    def kv_landing(self) -> bool:
+        """Requests still wait for KV of a transition to land."""
+        return bool(self._held) or bool(self._held_aborted)
+
+    @property
+    def landing_epoch(self) -> int | None:
+        """The transition whose KV may still be written here (None: none; safe to read from any thread)."""
+        landing = self._landing
+        return landing.epoch if landing is not None else None
 
     def _append(self, seq: Sequence, token: int, logprobs: ChosenLogprobs | None) -> TokenEvent:
         seq.tokens.append(token)
@@ -581,7 +653,7 @@ class Engine:
         sch = self.scheduler
         return EngineStats(
             kv_blocks_total=self.allocator.num_blocks, kv_blocks_used=self.allocator.num_used, block_size=self.block_size,
-            num_running=len(sch.running), num_waiting=len(sch.waiting), queued_demand_blocks=sch.queued_demand_blocks(),
+            num_running=len(sch.running) + len(self._held), num_waiting=len(sch.waiting), queued_demand_blocks=sch.queued_demand_blocks(),
             num_preemptions=sch.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
             generated_tokens_total=self.generated_tokens_total,
             oldest_waiting_arrival=sch.oldest_waiting_arrival(),
