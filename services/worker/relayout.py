@@ -5,20 +5,29 @@ member joining a quad (its range halves, the KV of the layers it gives up goes t
 quad's member going back to a pair (its range grows with layers a quad member sends it) all run the same
 steps below.
 
-Driven by the memory manager (services/memory_manager/orchestrator.py) in two steps over gRPC:
+Driven by the memory manager (services/memory_manager/orchestrator.py) in three steps over gRPC:
 
-1. **Prepare**: stop taking requests (Generate answers FAILED_PRECONDITION, the dispatcher waits), let the
+1. **Prepare**: (coordinated, ``spec.background_kv``) first, while still serving, send the peers the layers
+   they gain and receive the ones this worker gains into DRAM buffers (a restore's weights, §4.4; nothing for
+   a drop); then stop taking requests (Generate answers FAILED_PRECONDITION, the dispatcher waits), let the
    microbatches in flight finish, pause the engine between iterations, and report the requests this worker
    owns (if it heads its unit) and the KV blocks it will have in its new layer range. Nothing changed yet:
    Abort resumes exactly as before.
 2. **Execute** (the spec now carries every request's new unit and block table): the engine exports the KV
    blocks that move (``kv_exchange``: ``shared/policy/transition_plan.kv_flows`` says which go where), they
-   travel to their new holders on the KV-exchange class of the transfer service, the pool remaps to the new
-   layer range (drop: weights' pages become KV; restore: KV pages go back to weights, which the member of the
-   old unit holding those layers sends on the weights class, ``weight_exchange``; the host copy or the
-   checkpoint fills what no peer delivers), the engine imports the local and the received blocks at their new ids and takes its role in the
-   new unit (``membership``); streams of requests that moved end with ``moved_to`` at the commit and the
-   dispatcher re-attaches at the new head (``handover``).
+   go on the wire to their new holders on the KV-exchange class of the transfer service, the pool remaps to
+   the new layer range (drop: weights' pages become KV; restore: KV pages go back to weights, filled from the
+   pulled buffers or, not coordinated, from what the member of the old unit holding those layers sends on the
+   weights class now, ``weight_exchange``; the host copy or the checkpoint fills what no peer delivers), and
+   the engine takes its role in the new unit (``membership``). Not coordinated, Execute also waits for the
+   whole KV exchange and writes every block at its new id first.
+3. **Commit**: resume; streams of requests that moved end with ``moved_to`` and the dispatcher re-attaches at
+   the new head (``handover``). Coordinated (§4.2), the KV exchange lands only now, while the new unit
+   serves: each member writes what it receives in slices between iterations and tells the head which
+   requests' KV has landed; the head keeps exactly those requests out of its scheduler until every member
+   has, so queued and new requests run on the freed memory at once and the pause does not grow with the KV
+   that moves. A flow that never lands (its sender died) breaks the group: every member heals and the held
+   requests re-prefill. The next transition's Prepare waits until everything has landed.
 
 If Execute fails after anything changed, the worker heals to a whole instance and keeps the requests it
 owned as recompute preemptions (prompt + generated tokens re-prefilled: the same greedy tokens), so
@@ -59,7 +68,7 @@ from kunserve.v1 import worker_pb2
 
 from .group import GroupRole
 from .handover import StreamHandover
-from .kv_exchange import arrivals, export_flow, import_flow, landing_slices, receive_flows, send_flows
+from .kv_exchange import ExportStaging, arrivals, export_flow, import_flow, landing_slices, receive_flows, send_flows
 from .lease import MAX_LEASE_S, TransitionLease
 from .membership import LANDED, GroupMembership
 from .peers import PeerLinks, PeerUnreachable
@@ -97,6 +106,9 @@ class _Prepared:
     moved_out: dict[str, str] = field(default_factory=dict)  # request id -> the worker it went to (at commit)
     moved_in: list[str] = field(default_factory=list)
     landing: _Landing | None = None  # set by a coordinated Execute, started at the commit
+    weights: WeightReceiver | None = None  # the gained layers, pulled while still serving (coordinated)
+    staging: ExportStaging | None = None  # where Execute copies the outgoing KV (faulted in before the pause)
+    weight_bytes_sent: int = 0
 
 
 @dataclass
@@ -231,7 +243,10 @@ class TransitionRunner:
         except PeerUnreachable as exc:
             raise TransitionRefused(exc.code, str(exc)) from None
         await self._settle_landing()
-        self.prepared = _Prepared(spec, [])  # from here on Generate refuses new requests
+        pulled, sent = (await self._pull_weights(spec, old_units, new_units)) if spec.background_kv else (None, 0)
+        staging = await self._export_staging()
+        # from here on Generate refuses new requests
+        self.prepared = _Prepared(spec, [], weights=pulled, weight_bytes_sent=sent, staging=staging)
         self.engine_loop.pause()
         try:
             def quiesce(engine: Engine) -> tuple[list[SeqSnapshot], int]:
@@ -328,26 +343,29 @@ class TransitionRunner:
         outgoing = {k: f for k, f in flows.items() if f.src == me}
         incoming = {k: f for k, f in flows.items() if f.dst == me and f.src != me}
         pieces = weight_pieces(old_units, new_units)
-        weights_in = WeightReceiver.expecting(self.svc, self.instance, me, spec.epoch, pieces, old_units, new_units)
+        pulled = p.weights
+        weights_in = pulled or WeightReceiver.expecting(self.svc, self.instance, me, spec.epoch, pieces, old_units,
+                                                        new_units)
 
         # 1. copy out every block that moves or is renumbered, then forget the requests (their state is in
         #    the spec) so the memory can be remapped; take the weights this worker sends its peers
         t0 = time.perf_counter()
 
         def copy_out(engine: Engine) -> tuple[dict[str, Any], list[tuple[str, str, Any]]]:
-            messages = {dst: export_flow(engine, flow) for (_, dst), flow in outgoing.items()}
-            weights_out = export_weights(self.instance, me, pieces, old_units, new_units)
+            messages = {dst: export_flow(engine, flow, p.staging) for (_, dst), flow in outgoing.items()}
+            weights_out = export_weights(self.instance, me, pieces, old_units, new_units) if pulled is None else []
             engine.clear()
             return messages, weights_out
 
         messages, weights_out = await self._on_engine(copy_out)
+        p.staging = None  # the messages keep what they use of it
         stats.gather_s = time.perf_counter() - t0
 
         # 2. send on the KV-exchange class (activations of other groups still overtake it between chunks), and
         #    the weights the peers gain on the weights class below it
         t0 = time.perf_counter()
         handles, stats.bytes_sent = send_flows(self.svc, outgoing, messages, spec.epoch)
-        stats.weight_bytes_sent = send_weights(self.svc, weights_out, spec.epoch)
+        stats.weight_bytes_sent = send_weights(self.svc, weights_out, spec.epoch) + p.weight_bytes_sent
         del weights_out
 
         fault_point("die_in_exchange", me)
@@ -362,14 +380,16 @@ class TransitionRunner:
         #    the restored arenas (a layer computes nothing before its weights are in)
         background = spec.background_kv
         received: dict[str, torch.Tensor] = {}
-        weights_in.install()
+        if pulled is None:
+            weights_in.install()
         try:
             if not background:
                 received, stats.bytes_received = await receive_flows(self.svc, incoming, me, spec.epoch,
                                                                      self.timeout_s)
                 for h in handles:
                     await h.wait(self.timeout_s)
-            await weights_in.receive(self.timeout_s)
+            if pulled is None:
+                await weights_in.receive(self.timeout_s)
         finally:
             weights_in.uninstall()
             await self._on_engine(lambda engine: weights_in.finish())
@@ -419,7 +439,28 @@ class TransitionRunner:
             p.moved_out[rid] = heads.get(new_unit_of.get(rid, ""), "")
         p.moved_in.extend(self.handover.receive(now_owned - old_owned))
 
-    # -- the coordinated exchange's landing, after the commit (§4.2) ------------------------------------------
+    # -- the coordinated exchange: weights pulled before the pause (§4.4), KV landed after the commit (§4.2) --
+    async def _pull_weights(self, spec: worker_pb2.TransitionSpec, old_units: list[Unit],
+                            new_units: list[Unit]) -> tuple[WeightReceiver, int]:
+        """While the old unit still serves: send the peers the layers they gain (read from the live pages, which
+        serving never changes) and receive the layers this worker gains into DRAM buffers; Execute then only
+        copies them into the pages its remap takes back. Returns the receiver and the bytes sent. What does not
+        arrive in time (a sender died) is filled from the host copy or the checkpoint at Execute."""
+        me = self.worker_id
+        pieces = weight_pieces(old_units, new_units)
+        receiver = WeightReceiver.expecting(self.svc, self.instance, me, spec.epoch, pieces, old_units, new_units)
+        if not pieces:
+            return receiver, 0
+        out = await self._on_engine(lambda engine: export_weights(self.instance, me, pieces, old_units, new_units))
+        sent = send_weights(self.svc, out, spec.epoch)
+        del out
+        t0 = time.perf_counter()
+        await receiver.receive(self.timeout_s)
+        if receiver.source_of:
+            self.log.info("weights_pulled_while_serving", epoch=spec.epoch, arenas=len(receiver.arrived),
+                          missing=len(receiver.missing), ms=round((time.perf_counter() - t0) * 1e3, 1))
+        return receiver, sent
+
     async def _land(self, landing: _Landing) -> None:
         """Write the KV that comes here while the engine serves, a slice of about ``landing_chunk_bytes``
         between two iterations, and tell the head which requests' KV has landed here. A flow that never comes
@@ -476,6 +517,18 @@ class TransitionRunner:
         else:
             self.svc.submit(landing.head, CONTROL, torch.zeros(1, dtype=torch.uint8), name=LANDED,
                             epoch=landing.epoch, request_ids=request_ids)
+
+    async def _export_staging(self) -> ExportStaging:
+        """Memory for the KV Execute copies out, faulted in now while the engine serves: every held layer of
+        the blocks in use, with room for the requests to grow until the pause."""
+        def estimate(engine: Engine) -> int:
+            slab, dtype = engine.kv_slab()
+            row = math.prod(slab) * torch.empty((), dtype=dtype).element_size()
+            layers = engine.runner.end - engine.runner.start
+            return int(engine.kv_blocks_in_use() * 1.25 + 4) * layers * row
+
+        nbytes = await self._on_engine(estimate)
+        return await asyncio.to_thread(ExportStaging, nbytes)
 
     async def _settle_landing(self) -> None:
         """Before the next transition: the previous one's KV has landed everywhere (a snapshot must not take

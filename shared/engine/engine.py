@@ -123,6 +123,7 @@ class Engine:
         self._landing: KVLanding | None = None
         self._held: dict[str, Sequence] = {}
         self._held_aborted: dict[str, list[int]] = {}
+        self._stage_block_high = 0  # a later stage: one past the highest block id the head had it write
 
     # -- requests -------------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -289,6 +290,8 @@ class Engine:
         states for the next stage, or on the last stage the float32 logits of batch.rows on the CPU (what
         goes back to the head). The time counts as busy (busy_idle)."""
         self.clock.begin_busy()
+        if batch.slot_blocks:
+            self._stage_block_high = max(self._stage_block_high, max(batch.slot_blocks) + 1)
         try:
             out = self._run_local(batch, hidden)
             return out.float().cpu().contiguous() if self.runner.is_last else out
@@ -379,20 +382,37 @@ class Engine:
 
     # -- KV blocks in and out (swap preemption and layout transitions) -----------------------------------
     @torch.inference_mode()  # the KV views may be inference tensors (made during a forward)
-    def export_blocks(self, block_ids: Iterable[int], layer_start: int, layer_end: int) -> torch.Tensor:
+    def export_blocks(self, block_ids: Iterable[int], layer_start: int, layer_end: int,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
         """A host copy of the KV of `block_ids` in layers [layer_start, layer_end), layer-major: one tensor
-        [num_layers * len(block_ids), 2, kv_heads, block_size, head_dim], rows (layer, block) in that order.
-        On a GPU this is a device-to-host copy; the bookkeeping is untouched (the caller frees the blocks)."""
+        [num_layers * len(block_ids), 2, kv_heads, block_size, head_dim], rows (layer, block) in that order,
+        written into `out` when given (a buffer whose pages are already faulted in: a fresh allocation's page
+        faults cost more than the copy). On a GPU this is a device-to-host copy; the bookkeeping is untouched
+        (the caller frees the blocks)."""
         self._check_layers(layer_start, layer_end)
         blocks = list(block_ids)
         n = len(blocks)
         ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
         first = self.kv.layer_cache(layer_start)
-        out = torch.empty((layer_end - layer_start) * n, *first.shape[1:], dtype=first.dtype, device="cpu")
+        want = ((layer_end - layer_start) * n, *first.shape[1:])
+        if out is None:
+            out = torch.empty(want, dtype=first.dtype, device="cpu")
+        elif tuple(out.shape) != want or out.dtype != first.dtype:
+            raise ValueError(f"KV blocks: export buffer is {tuple(out.shape)} {out.dtype}, expected {want} {first.dtype}")
         del first
         for i, layer in enumerate(range(layer_start, layer_end)):
             out[i * n:(i + 1) * n].copy_(self.kv.layer_cache(layer).index_select(0, ids))
         return out
+
+    def kv_blocks_in_use(self) -> int:
+        """KV blocks holding data here: what the allocator handed out, or on a later stage (whose head allocates)
+        an upper bound, one past the highest block id written (the allocator hands out low ids first)."""
+        return max(self.allocator.num_used, min(self._stage_block_high, self.allocator.num_blocks))
+
+    def kv_slab(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of one (layer, block) row of export_blocks: [2, kv_heads, block_size, head_dim]."""
+        first = self.kv.layer_cache(self.runner.start)
+        return tuple(first.shape[1:]), first.dtype
 
     @torch.inference_mode()
     def import_blocks(self, block_ids: Iterable[int], layer_start: int, layer_end: int, data: torch.Tensor) -> None:
@@ -455,6 +475,7 @@ class Engine:
         self._landing = None
         self._held.clear()
         self._held_aborted.clear()
+        self._stage_block_high = 0
         self.allocator = BlockAllocator(self._capacity())
         self.scheduler.reset(self.allocator)
 
