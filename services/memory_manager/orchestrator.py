@@ -4,7 +4,9 @@
              whole instances and of existing groups alike: pairs -> a quad)
              -> Prepare every member (pause, report requests + capacity in the new range)
              -> assign every request its new block table (shared/policy/transition_plan.py; refuse when it does not fit)
-             -> Execute on every member (KV exchange over UCX, remap, install) -> refresh -> new epoch
+             -> Execute on every member (KV sent over UCX, remap, install) -> Commit (resume) -> refresh -> new epoch;
+             with memory_manager.coordinated_exchange the moved KV lands after the Commit while the new units
+             serve (services/worker/relayout.py), otherwise Execute waits for it
     restore: the same with a group split back (requests spread over the parts): one group undoes its last
              merge (a quad into pairs, a pair into whole instances); every group at once goes back to whole.
     migrate: the same between two whole instances that stay whole, moving the requests the Llumnix-like
