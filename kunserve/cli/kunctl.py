@@ -404,9 +404,14 @@ def format_report(rep) -> str:
         lines.extend(_planned_groups(rep.groups))
     lines.append(f"moved {rep.requests_moved} request{'s' if rep.requests_moved != 1 else ''}, "
                  f"{_human_bytes(rep.kv_bytes_moved)} of KV")
+    sources = [f"{_human_bytes(n)} from {src}" for src, n in (("peers", rep.weight_bytes_from_peers),
+               ("the host copy", rep.weight_bytes_from_host), ("the checkpoint", rep.weight_bytes_from_checkpoint)) if n]
+    if sources:
+        lines.append("weights restored: " + ", ".join(sources))
     lines.append(f"timings: plan {_ms(rep.plan_seconds)}, prepare {_ms(rep.prepare_seconds)}, "
                  f"exchange {_ms(rep.exchange_seconds)} (remap {_ms(rep.remap_seconds)}), "
-                 f"total {_ms(rep.total_seconds)}")
+                 f"total {_ms(rep.total_seconds)}" + ("; the moved KV lands after the commit while serving"
+                                                      if rep.kv_in_background else ""))
     return "\n".join(lines)
 
 

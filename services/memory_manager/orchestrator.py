@@ -484,6 +484,10 @@ class Orchestrator:
         report.kv_bytes_moved = sum(d.bytes_sent for d in ok)
         report.exchange_seconds = max(d.exchange_seconds for d in ok)
         report.remap_seconds = max(d.remap_seconds for d in ok)
+        report.kv_in_background = spec.background_kv
+        report.weight_bytes_from_peers = sum(d.weight_bytes_from_peers for d in ok)
+        report.weight_bytes_from_host = sum(d.weight_bytes_from_host for d in ok)
+        report.weight_bytes_from_checkpoint = sum(d.weight_bytes_from_checkpoint for d in ok)
         await self.cluster.refresh()
         report.epoch = self.cluster.layout.committed(epoch)
         report.groups.extend(planned_to_pb(u) for u in new_units)
