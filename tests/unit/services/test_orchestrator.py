@@ -543,3 +543,17 @@ def test_the_view_leaves_out_groups_with_an_unreachable_member():
     assert unit_ids(view.units) == ["w2"] and view.reachable("w0") and not view.reachable("w1")
     assert view.epochs == {"w0": 5, "w2": 3} and view.num_layers == L
     assert view.member("w2").transfer_address == "w2:7000" and view.unit_of("w0") is None
+
+
+def test_the_spec_says_whether_the_kv_lands_after_the_commit():
+    """memory_manager.coordinated_exchange reaches every member as TransitionSpec.background_kv, and the report
+    says so (its exchange time then excludes the landing)."""
+    for background in (True, False):
+        c = wholes("w0", "w1")
+        c.workers["w0"].seqs = [seq("r1", "w0", [0])]
+        orch = Orchestrator(c, timeout_s=5.0, background_kv=background)
+        report = run(orch.drop(memory_manager_pb2.DropRequest()))
+        assert report.completed, report.error
+        specs = [call.request for call in c.log if call.rpc in ("PrepareTransition", "ExecuteTransition")]
+        assert specs and all(s.background_kv is background for s in specs)
+        assert report.kv_in_background is background
