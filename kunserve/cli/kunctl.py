@@ -11,6 +11,7 @@ import json
 import math
 import re
 import sys
+import time
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
@@ -73,27 +74,33 @@ class GroupView:
     bubble_ratio: float | None = None     # see group_bubble_ratio (None: a member without stats, or no work yet)
 
 
-def group_bubble_ratio(order: list[str], stats) -> float | None:
+def group_bubble_ratio(order: list[str], stats, before=None) -> float | None:
     """The share of the unit's stage time spent idle while it had work (KunServe §5.3's pipeline bubble), from
-    the members' busy / bubble counters (cumulative since each worker started). The unit had work whenever its
-    head computed or had requests waiting (head busy + head bubble); during that time every member should have
-    computed, so the bubble is 1 - sum(members' busy) / (members x that time). A whole instance: its own
-    bubble ratio."""
-    if not order or any(w not in stats for w in order):
+    the members' busy / bubble counters: their growth since the `before` sample (the live ratio over that
+    window), or their totals since each worker started. The unit had work whenever its head computed or had
+    requests waiting (head busy + head bubble); during that time every member should have computed, so the
+    bubble is 1 - sum(members' busy) / (members x that time). A whole instance: its own bubble ratio. None: a
+    member without stats (or restarted within the window), or no work in the window."""
+    if not order or any(w not in stats or (before is not None and w not in before) for w in order):
         return None
-    head = stats[order[0]]
-    work = head.busy_seconds_total + head.bubble_seconds_total
-    if work <= 0:
+
+    def grew(w: str, name: str) -> float:
+        return getattr(stats[w], name) - (getattr(before[w], name) if before is not None else 0.0)
+
+    work = grew(order[0], "busy_seconds_total") + grew(order[0], "bubble_seconds_total")
+    if work <= 0 or any(grew(w, "busy_seconds_total") < 0 for w in order):
         return None
-    busy = sum(min(stats[w].busy_seconds_total, work) for w in order)
+    busy = sum(min(grew(w, "busy_seconds_total"), work) for w in order)
     return max(0.0, 1.0 - busy / (len(order) * work))
 
 
-def status_groups(status) -> list[GroupView]:
+def status_groups(status, before=None) -> list[GroupView]:
     """The units of an AdminStatus: layout groups, members ordered as the workers report (group_members),
     else by layer range. A pipeline group's KV capacity is its head's kv_blocks_total: every request's KV
-    spans all members under one block-id space."""
+    spans all members under one block-id space. `before`: an earlier AdminStatus; bubble ratios are then
+    over the time between the two."""
     stats = {ws.stats.worker_id: ws.stats for ws in status.cluster.workers}
+    earlier = {ws.stats.worker_id: ws.stats for ws in before.cluster.workers} if before is not None else None
     layout = {w.worker_id: w for w in status.layout.workers}
     groups: dict[str, list[str]] = {}
     for wid in sorted(set(layout) | set(stats)):
@@ -116,7 +123,8 @@ def status_groups(status) -> list[GroupView]:
         out.append(GroupView(gid, members, serving,
                              stats[head].kv_blocks_total if head in stats else None,
                              sum(und) if all(x > 0 for x in und) else None,
-                             any(stats[w].transitioning for w in order if w in stats), group_bubble_ratio(order, stats)))
+                             any(stats[w].transitioning for w in order if w in stats),
+                             group_bubble_ratio(order, stats, earlier)))
     return out
 
 
@@ -133,9 +141,9 @@ def _members(members) -> str:
     return " -> ".join(f"{w} [{a}, {b})" for w, a, b in members)
 
 
-def format_groups(status) -> list[str]:
+def format_groups(status, before=None) -> list[str]:
     lines = []
-    for g in status_groups(status):
+    for g in status_groups(status, before):
         kind = f"pipeline group of {len(g.members)}" if len(g.members) > 1 else "instance"
         cap = "?" if g.kv_blocks_total is None else f"{g.kv_blocks_total}"
         und = f", undropped {g.kv_blocks_undropped}" if g.kv_blocks_undropped is not None and len(g.members) > 1 else ""
@@ -147,7 +155,7 @@ def format_groups(status) -> list[str]:
     return lines
 
 
-def render_status(status) -> None:
+def render_status(status, before=None) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -183,7 +191,7 @@ def render_status(status) -> None:
             t.add_row(wid, lay.address, f"{lay.layer_start}-{lay.layer_end}", lay.group_id,
                       "yes" if lay.serving else "no", "[red]no stats[/]", "-", "-", "-", "-", "-", "-", "-", "-", "-")
     console.print(t)
-    lines = format_groups(status)
+    lines = format_groups(status, before)
     if lines:
         console.print(f"groups (layout epoch {status.layout.epoch}):")
         for line in lines:
@@ -196,11 +204,20 @@ def render_status(status) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> None:
-    status = _rpc(_target(args), lambda stub: stub.GetStatus(common_pb2.Empty(), timeout=args.timeout))
+    def fetch():
+        return _rpc(_target(args), lambda stub: stub.GetStatus(common_pb2.Empty(), timeout=args.timeout))
+
     if args.json:
-        print(json.dumps(MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
-    else:
-        render_status(status)
+        print(json.dumps(MessageToDict(fetch(), preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+        return
+    if args.window < 0:
+        print("kunctl: --window must be >= 0 seconds", file=sys.stderr)
+        raise SystemExit(2)
+    before = None
+    if args.window > 0:  # the live bubble: counters sampled twice
+        before = fetch()
+        time.sleep(args.window)
+    render_status(fetch(), before)
 
 
 def parse_layers(text: str) -> list[int]:
@@ -454,6 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="workers, KV usage, load and layout as a table")
     st.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    st.add_argument("--window", type=float, default=1.0, metavar="S",
+                    help="bubble ratios over the next S seconds (the status is sampled twice); 0 = since each worker "
+                         "started (default 1.0)")
     st.set_defaults(func=cmd_status)
     mem = sub.add_parser("memory", help="one worker's memory pool: pages per layer (weights, KV), free pages, capacity")
     mem.add_argument("worker", help="worker id, e.g. worker-0")

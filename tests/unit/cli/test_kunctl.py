@@ -200,6 +200,23 @@ def test_groups_show_their_pipeline_bubble():
     assert kunctl.group_bubble_ratio(["w1", "gone"], {"w1": status.cluster.workers[0].stats}) is None
 
 
+def test_a_windowed_bubble_counts_only_the_time_between_two_samples():
+    """Since start the group looks busy (mostly whole-instance time before the drop); over the window its head had
+    work for 2 s while the later stage computed only 1 s of it: 25% bubble. A member that restarted within the
+    window (its counters went back) gives no ratio."""
+    def sample(head_busy: float, head_bubble: float, stage_busy: float):
+        return admin_pb2.AdminStatus(cluster=monitor_pb2.ClusterStatus(workers=[
+            stats("w1", 0, 2, "g1", ["w1", "w0"], 2400, serving=True, busy_seconds_total=head_busy,
+                  bubble_seconds_total=head_bubble),
+            stats("w0", 2, 4, "g1", ["w1", "w0"], 2400, busy_seconds_total=stage_busy)]))
+
+    before, after = sample(100.0, 0.0, 100.0), sample(102.0, 0.0, 101.0)
+    assert status_groups(after)[0].bubble_ratio == pytest.approx(1 - 203 / 204)
+    assert status_groups(after, before)[0].bubble_ratio == pytest.approx(0.25)
+    assert "bubble 25.0%" in format_groups(after, before)[0]
+    assert status_groups(sample(1.0, 0.0, 1.0), before)[0].bubble_ratio is None
+
+
 def test_render_status_shows_groups_serving_and_epoch(capsys):
     kunctl.render_status(admin_status())
     out = capsys.readouterr().out
