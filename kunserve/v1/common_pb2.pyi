@@ -7,6 +7,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RequestClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REQUEST_CLASS_ONLINE: _ClassVar[RequestClass]
+    REQUEST_CLASS_OFFLINE: _ClassVar[RequestClass]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -14,6 +19,8 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_ABORTED: _ClassVar[FinishReason]
+REQUEST_CLASS_ONLINE: RequestClass
+REQUEST_CLASS_OFFLINE: RequestClass
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason

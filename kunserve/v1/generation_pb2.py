@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kunserve.v1 import common_pb2 as kunserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckunserve/v1/generation.proto\x12\x0bkunserve.v1\x1a\x18kunserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9a\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.kunserve.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.kunserve.v1.SamplingParamsB\x08\n\x06prompt\"\xb1\x02\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\x05\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.kunserve.v1.FinishReason\x12\x11\n\telapsed_s\x18\x06 \x01(\x01\x12\x17\n\x0ftoken_latency_s\x18\x07 \x01(\x01\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\t \x01(\x05\x12\x14\n\x07logprob\x18\n \x01(\x02H\x00\x88\x01\x01\x12/\n\x0ctop_logprobs\x18\x0b \x03(\x0b\x32\x19.kunserve.v1.TokenLogprobB\n\n\x08_logprob2\x97\x01\n\nGeneration\x12\x46\n\x08Generate\x12\x1c.kunserve.v1.GenerateRequest\x1a\x1a.kunserve.v1.GenerateEvent0\x01\x12\x41\n\x06\x43\x61ncel\x12\x1a.kunserve.v1.CancelRequest\x1a\x1b.kunserve.v1.CancelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckunserve/v1/generation.proto\x12\x0bkunserve.v1\x1a\x18kunserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xcc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.kunserve.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.kunserve.v1.SamplingParams\x12\x30\n\rrequest_class\x18\x05 \x01(\x0e\x32\x19.kunserve.v1.RequestClassB\x08\n\x06prompt\"\xb1\x02\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\x05\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.kunserve.v1.FinishReason\x12\x11\n\telapsed_s\x18\x06 \x01(\x01\x12\x17\n\x0ftoken_latency_s\x18\x07 \x01(\x01\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\t \x01(\x05\x12\x14\n\x07logprob\x18\n \x01(\x02H\x00\x88\x01\x01\x12/\n\x0ctop_logprobs\x18\x0b \x03(\x0b\x32\x19.kunserve.v1.TokenLogprobB\n\n\x08_logprob2\x97\x01\n\nGeneration\x12\x46\n\x08Generate\x12\x1c.kunserve.v1.GenerateRequest\x1a\x1a.kunserve.v1.GenerateEvent0\x01\x12\x41\n\x06\x43\x61ncel\x12\x1a.kunserve.v1.CancelRequest\x1a\x1b.kunserve.v1.CancelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=71
   _globals['_TOKENIDS']._serialized_end=94
   _globals['_GENERATEREQUEST']._serialized_start=97
-  _globals['_GENERATEREQUEST']._serialized_end=251
-  _globals['_GENERATEEVENT']._serialized_start=254
-  _globals['_GENERATEEVENT']._serialized_end=559
-  _globals['_GENERATION']._serialized_start=562
-  _globals['_GENERATION']._serialized_end=713
+  _globals['_GENERATEREQUEST']._serialized_end=301
+  _globals['_GENERATEEVENT']._serialized_start=304
+  _globals['_GENERATEEVENT']._serialized_end=609
+  _globals['_GENERATION']._serialized_start=612
+  _globals['_GENERATION']._serialized_end=763
 # @@protoc_insertion_point(module_scope)

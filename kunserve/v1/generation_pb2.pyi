@@ -14,16 +14,18 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "request_class")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    request_class: _common_pb2.RequestClass
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, str]] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("request_id", "token_id", "text", "index", "finish_reason", "elapsed_s", "token_latency_s", "worker_id", "num_prompt_tokens", "logprob", "top_logprobs")

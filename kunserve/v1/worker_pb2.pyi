@@ -30,7 +30,7 @@ class Unit(_message.Message):
     def __init__(self, unit_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[UnitMember, _Mapping]]] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
 
 class SeqState(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "generated_token_ids", "num_computed", "sampling", "generator_state", "num_preemptions", "age_s", "old_blocks", "new_blocks", "old_unit", "new_unit")
+    __slots__ = ("request_id", "prompt_token_ids", "generated_token_ids", "num_computed", "sampling", "generator_state", "num_preemptions", "age_s", "old_blocks", "new_blocks", "old_unit", "new_unit", "request_class")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class SeqState(_message.Message):
     NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OLD_UNIT_FIELD_NUMBER: _ClassVar[int]
     NEW_UNIT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -55,7 +56,8 @@ class SeqState(_message.Message):
     new_blocks: _containers.RepeatedScalarFieldContainer[int]
     old_unit: str
     new_unit: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., num_preemptions: _Optional[int] = ..., age_s: _Optional[float] = ..., old_blocks: _Optional[_Iterable[int]] = ..., new_blocks: _Optional[_Iterable[int]] = ..., old_unit: _Optional[str] = ..., new_unit: _Optional[str] = ...) -> None: ...
+    request_class: _common_pb2.RequestClass
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., generator_state: _Optional[bytes] = ..., num_preemptions: _Optional[int] = ..., age_s: _Optional[float] = ..., old_blocks: _Optional[_Iterable[int]] = ..., new_blocks: _Optional[_Iterable[int]] = ..., old_unit: _Optional[str] = ..., new_unit: _Optional[str] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, str]] = ...) -> None: ...
 
 class TransitionSpec(_message.Message):
     __slots__ = ("epoch", "op", "old_units", "new_units", "seqs", "lease_s", "background_kv")
@@ -266,16 +268,18 @@ class MemoryMap(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers_model: _Optional[int] = ..., weight_pages: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., kv_pages_per_layer: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerMemory, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[WeightGroupMemory, _Mapping]]] = ..., page_runs: _Optional[_Iterable[_Union[PageRun, _Mapping]]] = ..., host_copy_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "attach")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "attach", "request_class")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ATTACH_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     attach: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., attach: _Optional[bool] = ...) -> None: ...
+    request_class: _common_pb2.RequestClass
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., attach: _Optional[bool] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, str]] = ...) -> None: ...
 
 class WorkerTokenEvent(_message.Message):
     __slots__ = ("request_id", "token_id", "index", "finish_reason", "moved_to", "logprob", "top_logprobs")

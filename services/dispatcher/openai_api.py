@@ -5,7 +5,9 @@ and the dispatcher's GenerateEvents become OpenAI response objects and stream ch
 No I/O here: the HTTP front (http_front.py) reads bodies and writes responses. Field conventions follow the
 OpenAI API reference and vLLM's extensions to it, since that is what clients and benchmark harnesses send:
 `top_k` (-1 or 0 disable), `ignore_eos`, `min_tokens`, `stop_token_ids`, `add_generation_prompt` are accepted
-as extra body fields; unknown fields are ignored, as vLLM ignores them. What the engine cannot do is refused
+as extra body fields; unknown fields are ignored, as vLLM ignores them. The request class (ConServe) is OpenAI's
+`service_tier` ("flex", OpenAI's cheaper tier that waits for capacity, is offline; "auto", "default" and
+"priority" are online) or KunServe's `request_class` ("online" / "offline"). What the engine cannot do is refused
 with a 400 naming the field (`n` > 1, `best_of` > 1, `echo`, `suffix`, `logit_bias`, penalties, tools) rather
 than silently served differently.
 """
@@ -238,6 +240,27 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, _bool(opts, "include_usage")
 
 
+SERVICE_TIERS = {"auto": common_pb2.REQUEST_CLASS_ONLINE, "default": common_pb2.REQUEST_CLASS_ONLINE,
+                 "priority": common_pb2.REQUEST_CLASS_ONLINE, "flex": common_pb2.REQUEST_CLASS_OFFLINE}
+CLASSES = {"online": common_pb2.REQUEST_CLASS_ONLINE, "offline": common_pb2.REQUEST_CLASS_OFFLINE}
+
+
+def _request_class(body: Mapping[str, Any]) -> common_pb2.RequestClass:
+    """`request_class` ("online" / "offline"), else `service_tier` ("flex" = offline), else online; both given
+    must agree."""
+    named = body.get("request_class")
+    tier = body.get("service_tier")
+    if named is not None and named not in CLASSES:
+        raise _bad("request_class", f"must be one of {', '.join(CLASSES)}, got {named!r}")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise _bad("service_tier", f"must be one of {', '.join(SERVICE_TIERS)}, got {tier!r}")
+    if named is not None and tier is not None and CLASSES[named] != SERVICE_TIERS[tier]:
+        raise _bad("service_tier", f"{tier!r} contradicts request_class {named!r}")
+    if named is not None:
+        return CLASSES[named]
+    return SERVICE_TIERS[tier] if tier is not None else common_pb2.REQUEST_CLASS_ONLINE
+
+
 def _request(body: Any, served: str, chat: bool, request_id: str | None) -> OpenAIRequest:
     """What both endpoints share: the body is an object, the model, refused fields, streaming and sampling."""
     if not isinstance(body, Mapping):
@@ -245,7 +268,8 @@ def _request(body: Any, served: str, chat: bool, request_id: str | None) -> Open
     _check_model(body, served)
     _refuse_unsupported(body, chat)
     stream, include_usage = _stream(body)
-    gen = generation_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex, sampling=_sampling(body, chat))
+    gen = generation_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex, sampling=_sampling(body, chat),
+                                         request_class=_request_class(body))
     logprobs = _logprobs(body, chat)
     if logprobs is not None:
         gen.sampling.logprobs = logprobs

@@ -40,7 +40,7 @@ from kunserve.shared.policy.liveness import Liveness
 from kunserve.shared.policy.router import FreenessRouter, RoutingLoad
 from kunserve.shared.rpc import WORKER_END, channel
 from kunserve.shared.wire.cluster_state import report_from_pb
-from kunserve.shared.wire.requests import sampling_from_pb
+from kunserve.shared.wire.requests import REQUEST_CLASSES, sampling_from_pb
 from kunserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 MAX_REQUEST_ID_LEN = 256
@@ -94,6 +94,7 @@ class RequestRecord:
     cancelled: bool = False  # Cancel was called: the stream ends with ABORTED, nothing is retried
     finished: bool = False  # the final event was relayed
     index_offset: int = 0  # tokens emitted before the current worker-side incarnation (resume)
+    request_class: common_pb2.RequestClass = common_pb2.REQUEST_CLASS_ONLINE
     resumes: int = 0
     crashes: int = 0  # workers that failed (not stalled) while this request ran there
     last_event: float = 0.0
@@ -461,6 +462,9 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: longer than {MAX_REQUEST_ID_LEN} characters")
         if rid in self.records:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running")
+        if request.request_class not in REQUEST_CLASSES:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"request_class: {request.request_class} is not a request "
+                               "class (0 = online, 1 = offline)")
         prompt = await self._prompt_ids(request)
         if not prompt:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
@@ -478,7 +482,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         if refusal is not None:
             raise RequestError.refused(refusal)
         record = RequestRecord(rid, prompt, arrival, sampling=effective, max_tokens=sampling.max_tokens,
-                               last_event=arrival, owner=owner,
+                               last_event=arrival, owner=owner, request_class=request.request_class,
                                text=self.tokenizer.decode_stream() if self.tokenizer is not None else None,
                                stops=tuple(effective.stop), user_stop_ids=frozenset(request.sampling.stop_token_ids))
         self.records[rid] = record
@@ -593,7 +597,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         record.index_offset = emitted
         return worker_pb2.WorkerGenerateRequest(request_id=record.request_id,
                                                 prompt_token_ids=record.prompt_token_ids + record.token_ids,
-                                                sampling=sampling)
+                                                sampling=sampling, request_class=record.request_class)
 
     async def _after_failure(self, record: RequestRecord, seg: _Segment, dead: set[str], failures: list[str]) -> None:
         """A worker stream ended without finishing: decide between retry, resume and an error."""

@@ -91,6 +91,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prompt_token_ids=list(request.prompt_token_ids),
             sampling=sampling_from_pb(request.sampling),
             arrival_time=time.monotonic(),
+            offline=request.request_class == common_pb2.REQUEST_CLASS_OFFLINE,
         )
         if not self.engine.engine.serving:
             start, end = self.instance.layer_range

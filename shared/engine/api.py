@@ -68,6 +68,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = 0.0  # time.monotonic() when received; used for FCFS order
+    offline: bool = False  # ConServe's offline class: runs on the capacity online requests leave
 
     def validate(self, vocab_size: int, max_model_len: int) -> None:
         if not self.request_id:

@@ -22,6 +22,13 @@ def finish_to_pb(reason: FinishReason) -> common_pb2.FinishReason:
     return _FINISH_TO_PB.get(reason, common_pb2.FINISH_REASON_ABORTED)
 
 
+REQUEST_CLASSES = {common_pb2.REQUEST_CLASS_ONLINE: "online", common_pb2.REQUEST_CLASS_OFFLINE: "offline"}
+
+
+def request_class_to_pb(offline: bool) -> common_pb2.RequestClass:
+    return common_pb2.REQUEST_CLASS_OFFLINE if offline else common_pb2.REQUEST_CLASS_ONLINE
+
+
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
     """Unset max_tokens / top_p take their defaults; every value that is set is taken as sent and
     validated by SamplingParams.validate (so an explicit max_tokens of 0 is rejected, not defaulted)."""

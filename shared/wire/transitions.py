@@ -7,8 +7,8 @@ from collections.abc import Iterable
 
 from kunserve.shared.engine.api import EngineRequest, SeqSnapshot
 from kunserve.shared.policy.cluster import Member, Unit
-from kunserve.shared.wire.requests import sampling_from_pb, sampling_to_pb
-from kunserve.v1 import memory_manager_pb2, worker_pb2
+from kunserve.shared.wire.requests import request_class_to_pb, sampling_from_pb, sampling_to_pb
+from kunserve.v1 import common_pb2, memory_manager_pb2, worker_pb2
 
 
 def unit_to_pb(u: Unit) -> worker_pb2.Unit:
@@ -35,10 +35,11 @@ def snapshot_to_pb(s: SeqSnapshot, unit_id: str, now: float) -> worker_pb2.SeqSt
         request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids), generated_token_ids=s.generated,
         num_computed=s.num_computed, sampling=sampling_to_pb(r.sampling), generator_state=s.generator_state,
         num_preemptions=s.num_preemptions, age_s=max(0.0, now - r.arrival_time), old_blocks=s.blocks,
-        old_unit=unit_id)
+        old_unit=unit_id, request_class=request_class_to_pb(r.offline))
 
 
 def snapshot_from_pb(m: worker_pb2.SeqState, now: float) -> SeqSnapshot:
-    req = EngineRequest(m.request_id, list(m.prompt_token_ids), sampling_from_pb(m.sampling), now - m.age_s)
+    req = EngineRequest(m.request_id, list(m.prompt_token_ids), sampling_from_pb(m.sampling), now - m.age_s,
+                        offline=m.request_class == common_pb2.REQUEST_CLASS_OFFLINE)
     return SeqSnapshot(req, list(m.generated_token_ids), m.num_computed, list(m.new_blocks),
                        bytes(m.generator_state), m.num_preemptions)

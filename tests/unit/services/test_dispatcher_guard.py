@@ -314,3 +314,22 @@ def test_engine_without_progress_behind_a_live_server_counts_as_stalled():
             await until(lambda: fc.pool.router.routable("worker-0"), what="worker-0 to rejoin")
 
     run(scenario())
+
+
+def test_the_request_class_reaches_the_worker_and_an_unknown_one_is_refused():
+    from kunserve.v1 import common_pb2
+
+    async def scenario():
+        async with GuardCluster(1, DispatcherLimits()) as fc:
+            req = client.make_request(PROMPT, max_tokens=2)
+            req.request_class = common_pb2.REQUEST_CLASS_OFFLINE
+            await client.generate(fc.channel, req, timeout=30)
+            assert [c.request_class for c in fc.workers["worker-0"].calls] == [common_pb2.REQUEST_CLASS_OFFLINE]
+            bad = client.make_request(PROMPT, max_tokens=2)
+            bad.request_class = 7  # type: ignore[assignment]  # an open enum takes any number on the wire
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.generate(fc.channel, bad, timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_class" in e.value.details()
+            assert len(fc.workers["worker-0"].calls) == 1  # never forwarded
+
+    run(scenario())

@@ -571,3 +571,28 @@ def test_events_without_logprobs_are_skipped() -> None:
     lp = oa.LogprobsBuilder(False, VOCAB.__getitem__)
     got = lp.of([event(1, -0.5), event(-1), event(2), event(3, -1.0)])
     assert got is not None and got["tokens"] == ["Hel", " wor"] and got["text_offset"] == [0, 3]
+
+
+# -- request classes (ConServe): service_tier "flex" or request_class "offline" ----------------------------------
+@pytest.mark.parametrize(("fields", "offline"), [
+    ({}, False),
+    ({"service_tier": "flex"}, True),
+    ({"service_tier": "auto"}, False),
+    ({"service_tier": "priority"}, False),
+    ({"request_class": "offline"}, True),
+    ({"request_class": "online", "service_tier": "default"}, False),
+])
+def test_the_request_class_comes_from_request_class_or_service_tier(fields: dict[str, Any], offline: bool) -> None:
+    want = common_pb2.REQUEST_CLASS_OFFLINE if offline else common_pb2.REQUEST_CLASS_ONLINE
+    assert completion(**fields).generate.request_class == want
+    assert chat(**fields).generate.request_class == want
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"request_class": "batch"}, "request_class"),
+    ({"service_tier": "scale"}, "service_tier"),
+    ({"request_class": "online", "service_tier": "flex"}, "service_tier"),
+])
+def test_unknown_or_contradicting_classes_are_refused(fields: dict[str, Any], param: str) -> None:
+    err = completion_error(**fields)
+    assert err.status == 400 and err.param == param

@@ -41,3 +41,13 @@ def test_token_event_logprobs_fill_the_message(msg_type):
     none = msg_type()
     logprobs_to_pb(TokenEvent("r", 9, 0), none)
     assert not none.HasField("logprob") and not none.top_logprobs
+
+
+@pytest.mark.parametrize("offline", [False, True])
+def test_the_request_class_survives_a_transition_snapshot(offline):
+    from kunserve.shared.engine.api import EngineRequest, SeqSnapshot
+    from kunserve.shared.wire.transitions import snapshot_from_pb, snapshot_to_pb
+
+    snap = SeqSnapshot(EngineRequest("r", [1, 2], SamplingParams(), 10.0, offline=offline), [3], 2, [0], b"", 0)
+    back = snapshot_from_pb(snapshot_to_pb(snap, "w0", now=12.0), now=12.0)
+    assert back.request.offline is offline
