@@ -39,7 +39,7 @@ def test_pairs_merge_into_a_quad_and_restore_step_by_step_while_requests_stream(
     c = fresh_cluster(4, pool_mib=36)
     rng = random.Random(21)
     prompts = [[rng.randrange(4, 4000) for _ in range(rng.randrange(8, 40))] for _ in range(8)]
-    max_tokens = 200  # still decoding after four transitions on a busy 2-core machine
+    max_tokens = 500  # still decoding after four transitions, which no longer pause serving for their KV exchange
     progress: dict[int, int] = {}
 
     async def stream():
