@@ -132,6 +132,9 @@ class EngineStats:
     kv_blocks_total: int
     kv_blocks_used: int
     block_size: int
+    # Requests the scheduler runs and waits to run. Requests whose KV is still landing after a transition are
+    # in neither (their blocks count as used): they cannot progress until it has, so a liveness check that saw
+    # them as work would call a worker waiting on the network stalled.
     num_running: int
     num_waiting: int
     queued_demand_blocks: int  # blocks the waiting requests' prompts will need

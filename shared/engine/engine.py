@@ -674,7 +674,7 @@ class Engine:
         sch = self.scheduler
         return EngineStats(
             kv_blocks_total=self.allocator.num_blocks, kv_blocks_used=self.allocator.num_used, block_size=self.block_size,
-            num_running=len(sch.running) + len(self._held), num_waiting=len(sch.waiting), queued_demand_blocks=sch.queued_demand_blocks(),
+            num_running=len(sch.running), num_waiting=len(sch.waiting), queued_demand_blocks=sch.queued_demand_blocks(),
             num_preemptions=sch.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
             generated_tokens_total=self.generated_tokens_total,
             oldest_waiting_arrival=sch.oldest_waiting_arrival(),
