@@ -52,6 +52,14 @@ async def wait_tokens(progress: dict, n: int, at_least: int, gen: asyncio.Task, 
         await asyncio.sleep(0.05)
 
 
+async def start_decoding(c: LocalCluster, prompts, max_tokens: int, progress: dict, at_least: int = 2) -> asyncio.Task:
+    """Stream every prompt (progress[i] counts request i's tokens) and return once each has at_least tokens: the
+    requests hold KV, so a transition now moves all of them. The task gives the results."""
+    gen = asyncio.create_task(generate_all(c, prompts, max_tokens, progress))
+    await wait_tokens(progress, len(prompts), at_least, gen)
+    return gen
+
+
 async def drop_pair(c: LocalCluster, head: str = "worker-0", stage: str = "worker-1"):
     async with memory_manager(c) as mm:
         return await mm.Drop(memory_manager_pb2.DropRequest(groups=[
@@ -62,8 +70,7 @@ async def drop_then_kill(c: LocalCluster, prompts, max_tokens: int, victim: str)
     """Stream every prompt, drop worker-0 + worker-1 into a pair mid-decode, kill `victim` while the pair
     decodes: the results of every request."""
     progress: dict = {}
-    gen = asyncio.create_task(generate_all(c, prompts, max_tokens, progress))
-    await wait_tokens(progress, len(prompts), 2, gen)
+    gen = await start_decoding(c, prompts, max_tokens, progress)
     drop = await drop_pair(c)
     assert drop.completed, drop.error
     await wait_tokens(progress, 2, 2, gen, since=dict(progress))

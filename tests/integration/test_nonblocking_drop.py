@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from drop_scenarios import check_all, drop_pair, generate_all, memory_manager, prompts_for, wait_tokens
+from drop_scenarios import check_all, drop_pair, memory_manager, prompts_for, start_decoding, wait_tokens
 from helpers import check_against_reference, make_config, run
 
 from kunserve import client
@@ -43,8 +43,7 @@ def test_a_new_request_runs_while_the_moved_requests_wait_for_their_kv(tmp_path)
 
     async def go():
         progress: dict = {}
-        gen = asyncio.create_task(generate_all(c, prompts, max_tokens, progress))
-        await wait_tokens(progress, len(prompts), 2, gen)  # every request holds KV: all of them move
+        gen = await start_decoding(c, prompts, max_tokens, progress)
         drop = await drop_pair(c)
         assert drop.completed and drop.kv_in_background, drop
         await asyncio.sleep(0.3)  # tokens made before the drop's Prepare reach the client
@@ -82,8 +81,7 @@ def test_a_member_dying_while_its_kv_is_in_flight_loses_no_request(tmp_path):
 
     async def go():
         progress: dict = {}
-        gen = asyncio.create_task(generate_all(c, prompts, max_tokens, progress))
-        await wait_tokens(progress, len(prompts), 2, gen)
+        gen = await start_decoding(c, prompts, max_tokens, progress)
         drop = await drop_pair(c)  # completed or rolled back: worker-1 may die before its commit's answer is out
         assert drop.requests_moved == len(prompts) or not drop.completed, drop
         return await gen
@@ -106,8 +104,7 @@ def test_the_blocking_exchange_still_keeps_every_token_through_drop_and_restore(
 
     async def go():
         progress: dict = {}
-        gen = asyncio.create_task(generate_all(c, prompts, max_tokens, progress))
-        await wait_tokens(progress, len(prompts), 2, gen)
+        gen = await start_decoding(c, prompts, max_tokens, progress)
         drop = await drop_pair(c)
         assert drop.completed and not drop.kv_in_background and drop.requests_moved == len(prompts), drop
         await wait_tokens(progress, 2, 2, gen, since=dict(progress))
