@@ -80,7 +80,7 @@ async def probe(c: LocalCluster, args, t0: float) -> float:
 
 
 async def resumed(progress: dict, t0: float) -> float:
-    """Seconds from t0 until every loaded request has produced a token since."""
+    """Seconds from t0 until every loaded request has produced a token since this is called."""
     since = dict(progress)
     while any(progress.get(i, 0) <= n for i, n in since.items()):
         await asyncio.sleep(0.002)
@@ -91,7 +91,7 @@ def row(kind: str, rep: int, rpc_s: float, r: memory_manager_pb2.TransitionRepor
     return {"op": kind, "repeat": rep, "completed": r.completed, "error": r.error, "epoch": r.epoch,
             "requests_moved": r.requests_moved, "kv_bytes_moved": r.kv_bytes_moved, "rpc_s": rpc_s,
             "plan_s": r.plan_seconds, "prepare_s": r.prepare_seconds, "exchange_s": r.exchange_seconds,
-            "remap_s": r.remap_seconds, "total_s": r.total_seconds}
+            "remap_s": r.remap_seconds, "total_s": r.total_seconds, "pause_s": r.pause_seconds}
 
 
 async def main_async(args, c: LocalCluster, mode: str) -> list[dict[str, Any]]:
@@ -105,11 +105,11 @@ async def main_async(args, c: LocalCluster, mode: str) -> list[dict[str, Any]]:
                 task = await load(c, args, rep, progress, requests, prompt)
                 t = time.perf_counter()
                 first = asyncio.create_task(probe(c, args, t))
-                back = asyncio.create_task(resumed(progress, t))
                 drop = await mm.Drop(memory_manager_pb2.DropRequest(reason="bench"), timeout=300)
-                rows.append(row("drop", rep, time.perf_counter() - t, drop) |
+                rpc_s = time.perf_counter() - t
+                rows.append(row("drop", rep, rpc_s, drop) |
                             {"mode": mode, "load": f"{requests}x{prompt}", "first_token_s": await first,
-                             "moved_resume_s": await back})
+                             "moved_resume_s": rpc_s + await resumed(progress, time.perf_counter())})
                 await asyncio.sleep(args.serve_s)  # serve as pipeline groups for a while
                 t = time.perf_counter()
                 restore = await mm.Restore(memory_manager_pb2.RestoreRequest(), timeout=300)
@@ -130,7 +130,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rs = [r for r in rows if (r["mode"], r["load"], r["op"]) == key and r["completed"]]
         if not rs:
             continue
-        fields = ["rpc_s", "plan_s", "prepare_s", "exchange_s", "remap_s", "total_s", "kv_bytes_moved", "requests_moved"]
+        fields = ["rpc_s", "plan_s", "prepare_s", "exchange_s", "remap_s", "total_s", "pause_s", "kv_bytes_moved",
+                  "requests_moved"]
         if key[2] == "drop":
             fields += ["first_token_s", "moved_resume_s"]
         med = {k: statistics.median(r[k] for r in rs) for k in fields}
@@ -142,14 +143,15 @@ def print_table(summary: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     print(f"\ncluster drop / restore — {meta['workers']} workers, requests mid-decode x prompt tokens as loaded, "
           f"medians over {meta['repeats']} runs (ms; first token and moved resume from the decision)")
     hdr = f"{'mode':12} {'load':>9} {'op':8} {'rpc':>7} {'plan':>6} {'prepare':>8} {'exchange':>9} {'remap':>6} " \
-          f"{'total':>7} {'KV MiB':>7} {'requests':>8} {'1st token':>9} {'moved resume':>12}"
+          f"{'total':>7} {'paused':>7} {'KV MiB':>7} {'requests':>8} {'1st token':>9} {'moved resume':>12}"
     print(hdr)
     print("-" * len(hdr))
     for s in summary:
         extra = (f" {s['first_token_s'] * 1e3:9.1f} {s['moved_resume_s'] * 1e3:12.1f}" if s["op"] == "drop" else "")
         print(f"{s['mode']:12} {s['load']:>9} {s['op']:8} {s['rpc_s'] * 1e3:7.1f} {s['plan_s'] * 1e3:6.1f} "
               f"{s['prepare_s'] * 1e3:8.1f} {s['exchange_s'] * 1e3:9.1f} {s['remap_s'] * 1e3:6.2f} "
-              f"{s['total_s'] * 1e3:7.1f} {s['kv_bytes_moved'] / 2**20:7.2f} {s['requests_moved']:8.0f}{extra}")
+              f"{s['total_s'] * 1e3:7.1f} {s['pause_s'] * 1e3:7.1f} {s['kv_bytes_moved'] / 2**20:7.2f} "
+              f"{s['requests_moved']:8.0f}{extra}")
 
 
 def main() -> None:

@@ -427,8 +427,8 @@ def format_report(rep) -> str:
         lines.append("weights restored: " + ", ".join(sources))
     lines.append(f"timings: plan {_ms(rep.plan_seconds)}, prepare {_ms(rep.prepare_seconds)}, "
                  f"exchange {_ms(rep.exchange_seconds)} (remap {_ms(rep.remap_seconds)}), "
-                 f"total {_ms(rep.total_seconds)}" + ("; the moved KV lands after the commit while serving"
-                                                      if rep.kv_in_background else ""))
+                 f"total {_ms(rep.total_seconds)}; serving paused {_ms(rep.pause_seconds)}"
+                 + ("; the moved KV lands after the commit while serving" if rep.kv_in_background else ""))
     return "\n".join(lines)
 
 

@@ -72,7 +72,7 @@ class RestoreRequest(_message.Message):
     def __init__(self, group_id: _Optional[str] = ...) -> None: ...
 
 class TransitionReport(_message.Message):
-    __slots__ = ("op", "epoch", "completed", "rolled_back", "error", "groups", "requests_moved", "kv_bytes_moved", "plan_seconds", "prepare_seconds", "exchange_seconds", "remap_seconds", "total_seconds", "autoscale_needed", "kv_in_background", "weight_bytes_from_peers", "weight_bytes_from_host", "weight_bytes_from_checkpoint")
+    __slots__ = ("op", "epoch", "completed", "rolled_back", "error", "groups", "requests_moved", "kv_bytes_moved", "plan_seconds", "prepare_seconds", "exchange_seconds", "remap_seconds", "total_seconds", "autoscale_needed", "kv_in_background", "weight_bytes_from_peers", "weight_bytes_from_host", "weight_bytes_from_checkpoint", "pause_seconds")
     OP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class TransitionReport(_message.Message):
     WEIGHT_BYTES_FROM_PEERS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FROM_HOST_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FROM_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     op: str
     epoch: int
     completed: bool
@@ -109,7 +110,8 @@ class TransitionReport(_message.Message):
     weight_bytes_from_peers: int
     weight_bytes_from_host: int
     weight_bytes_from_checkpoint: int
-    def __init__(self, op: _Optional[str] = ..., epoch: _Optional[int] = ..., completed: _Optional[bool] = ..., rolled_back: _Optional[bool] = ..., error: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[PlannedGroup, _Mapping]]] = ..., requests_moved: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., exchange_seconds: _Optional[float] = ..., remap_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., autoscale_needed: _Optional[bool] = ..., kv_in_background: _Optional[bool] = ..., weight_bytes_from_peers: _Optional[int] = ..., weight_bytes_from_host: _Optional[int] = ..., weight_bytes_from_checkpoint: _Optional[int] = ...) -> None: ...
+    pause_seconds: float
+    def __init__(self, op: _Optional[str] = ..., epoch: _Optional[int] = ..., completed: _Optional[bool] = ..., rolled_back: _Optional[bool] = ..., error: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[PlannedGroup, _Mapping]]] = ..., requests_moved: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., exchange_seconds: _Optional[float] = ..., remap_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., autoscale_needed: _Optional[bool] = ..., kv_in_background: _Optional[bool] = ..., weight_bytes_from_peers: _Optional[int] = ..., weight_bytes_from_host: _Optional[int] = ..., weight_bytes_from_checkpoint: _Optional[int] = ..., pause_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerLayout(_message.Message):
     __slots__ = ("worker_id", "address", "layer_start", "layer_end", "group_id", "reachable", "transfer_address", "serving")

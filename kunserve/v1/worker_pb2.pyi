@@ -104,7 +104,7 @@ class TransitionPrepared(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., seqs: _Optional[_Iterable[_Union[SeqState, _Mapping]]] = ..., kv_blocks_after: _Optional[int] = ..., kv_blocks_now: _Optional[int] = ...) -> None: ...
 
 class TransitionDone(_message.Message):
-    __slots__ = ("worker_id", "epoch", "layer_start", "layer_end", "kv_blocks", "bytes_sent", "bytes_received", "gather_seconds", "exchange_seconds", "remap_seconds", "scatter_seconds", "requests_owned", "weight_bytes_sent", "weight_bytes_from_peers", "weight_bytes_from_host", "weight_bytes_from_checkpoint")
+    __slots__ = ("worker_id", "epoch", "layer_start", "layer_end", "kv_blocks", "bytes_sent", "bytes_received", "gather_seconds", "exchange_seconds", "remap_seconds", "scatter_seconds", "requests_owned", "weight_bytes_sent", "weight_bytes_from_peers", "weight_bytes_from_host", "weight_bytes_from_checkpoint", "paused_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class TransitionDone(_message.Message):
     WEIGHT_BYTES_FROM_PEERS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FROM_HOST_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FROM_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     layer_start: int
@@ -137,7 +138,8 @@ class TransitionDone(_message.Message):
     weight_bytes_from_peers: int
     weight_bytes_from_host: int
     weight_bytes_from_checkpoint: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., gather_seconds: _Optional[float] = ..., exchange_seconds: _Optional[float] = ..., remap_seconds: _Optional[float] = ..., scatter_seconds: _Optional[float] = ..., requests_owned: _Optional[int] = ..., weight_bytes_sent: _Optional[int] = ..., weight_bytes_from_peers: _Optional[int] = ..., weight_bytes_from_host: _Optional[int] = ..., weight_bytes_from_checkpoint: _Optional[int] = ...) -> None: ...
+    paused_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., gather_seconds: _Optional[float] = ..., exchange_seconds: _Optional[float] = ..., remap_seconds: _Optional[float] = ..., scatter_seconds: _Optional[float] = ..., requests_owned: _Optional[int] = ..., weight_bytes_sent: _Optional[int] = ..., weight_bytes_from_peers: _Optional[int] = ..., weight_bytes_from_host: _Optional[int] = ..., weight_bytes_from_checkpoint: _Optional[int] = ..., paused_seconds: _Optional[float] = ...) -> None: ...
 
 class DropLayersRequest(_message.Message):
     __slots__ = ("layers",)

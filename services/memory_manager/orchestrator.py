@@ -467,7 +467,7 @@ class Orchestrator:
             if fault_armed("in_commit", ME):  # die with one member committed and the others still paused
                 await self._each(workers[:1], lambda stub: stub.CommitTransition(ref, timeout=timeout))
                 fault_point("in_commit", ME)
-            _, failed = await self._each(workers, lambda stub: stub.CommitTransition(ref, timeout=timeout))
+            committed, failed = await self._each(workers, lambda stub: stub.CommitTransition(ref, timeout=timeout))
         if failed:
             # Members that executed (or committed) heal too, so no half-formed group remains.
             await self._each(workers, lambda stub: stub.AbortTransition(ref, timeout=timeout))
@@ -485,6 +485,7 @@ class Orchestrator:
         report.exchange_seconds = max(d.exchange_seconds for d in ok)
         report.remap_seconds = max(d.remap_seconds for d in ok)
         report.kv_in_background = spec.background_kv
+        report.pause_seconds = max(c.paused_seconds for c in committed.values())
         report.weight_bytes_from_peers = sum(d.weight_bytes_from_peers for d in ok)
         report.weight_bytes_from_host = sum(d.weight_bytes_from_host for d in ok)
         report.weight_bytes_from_checkpoint = sum(d.weight_bytes_from_checkpoint for d in ok)

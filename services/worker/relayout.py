@@ -108,6 +108,7 @@ class _Prepared:
     landing: _Landing | None = None  # set by a coordinated Execute, started at the commit
     weights: WeightReceiver | None = None  # the gained layers, pulled while still serving (coordinated)
     staging: ExportStaging | None = None  # where Execute copies the outgoing KV (faulted in before the pause)
+    paused_at: float = 0.0  # perf_counter when the engine paused
     weight_bytes_sent: int = 0
 
 
@@ -246,7 +247,8 @@ class TransitionRunner:
         pulled, sent = (await self._pull_weights(spec, old_units, new_units)) if spec.background_kv else (None, 0)
         staging = await self._export_staging()
         # from here on Generate refuses new requests
-        self.prepared = _Prepared(spec, [], weights=pulled, weight_bytes_sent=sent, staging=staging)
+        self.prepared = _Prepared(spec, [], weights=pulled, weight_bytes_sent=sent, staging=staging,
+                                  paused_at=time.perf_counter())
         self.engine_loop.pause()
         try:
             def quiesce(engine: Engine) -> tuple[list[SeqSnapshot], int]:
@@ -325,10 +327,13 @@ class TransitionRunner:
         self.epoch = epoch
         self.prepared = None
         self.engine_loop.resume()
+        paused = time.perf_counter() - p.paused_at
         self.membership.start_pings()
         if p.landing is not None:
             self._landing_task = asyncio.get_running_loop().create_task(self._land(p.landing))
-        return self._done(epoch, TransitionStats())
+        done = self._done(epoch, TransitionStats())
+        done.paused_seconds = paused
+        return done
 
     # -- the exchange -------------------------------------------------------------------------------------
     async def _execute(self, spec: worker_pb2.TransitionSpec, p: _Prepared, stats: TransitionStats) -> None:

@@ -133,7 +133,8 @@ def test_format_plan_not_met():
 def test_format_report_completed_and_failed():
     rep = mm.TransitionReport(op="drop", epoch=4, completed=True, requests_moved=3, kv_bytes_moved=12 * 2**20,
                               plan_seconds=0.0012, prepare_seconds=0.0034, exchange_seconds=0.02,
-                              remap_seconds=0.0005, total_seconds=0.03,
+                              remap_seconds=0.0005, total_seconds=0.03, pause_seconds=0.025, kv_in_background=True,
+                              weight_bytes_from_peers=2 * 2**20, weight_bytes_from_checkpoint=2**20,
                               groups=[mm.PlannedGroup(group_id="g0", changed=True,
                                                       members=[wl("w0", 0, 2, "g0", True), wl("w1", 2, 4, "g0")])])
     assert format_report(rep).splitlines() == [
@@ -141,7 +142,9 @@ def test_format_report_completed_and_failed():
         "groups after:",
         "  g0 (group of 2, changed): w0 [0, 2) -> w1 [2, 4)",
         "moved 3 requests, 12.0 MiB of KV",
-        "timings: plan 1.2 ms, prepare 3.4 ms, exchange 20.0 ms (remap 0.5 ms), total 30.0 ms",
+        "weights restored: 2.0 MiB from peers, 1.0 MiB from the checkpoint",
+        "timings: plan 1.2 ms, prepare 3.4 ms, exchange 20.0 ms (remap 0.5 ms), total 30.0 ms; serving paused 25.0 ms; "
+        "the moved KV lands after the commit while serving",
     ]
     bad = format_report(mm.TransitionReport(op="restore", epoch=4, rolled_back=True, error="worker w1 unreachable",
                                             requests_moved=1))

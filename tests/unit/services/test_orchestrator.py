@@ -84,7 +84,7 @@ class FakeWorker:
 
     async def CommitTransition(self, ref, timeout=None):
         await self._record("CommitTransition", ref)
-        return worker_pb2.TransitionDone(worker_id=self.worker_id, epoch=ref.epoch)
+        return worker_pb2.TransitionDone(worker_id=self.worker_id, epoch=ref.epoch, paused_seconds=0.125)
 
     async def AbortTransition(self, ref, timeout=None):
         await self._record("AbortTransition", ref)
@@ -557,3 +557,4 @@ def test_the_spec_says_whether_the_kv_lands_after_the_commit():
         specs = [call.request for call in c.log if call.rpc in ("PrepareTransition", "ExecuteTransition")]
         assert specs and all(s.background_kv is background for s in specs)
         assert report.kv_in_background is background
+        assert report.pause_seconds == 0.125  # the longest any member served nothing
