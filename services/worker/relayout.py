@@ -27,7 +27,8 @@ Driven by the memory manager (services/memory_manager/orchestrator.py) in three 
    requests' KV has landed; the head keeps exactly those requests out of its scheduler until every member
    has, so queued and new requests run on the freed memory at once and the pause does not grow with the KV
    that moves. A flow that never lands (its sender died) breaks the group: every member heals and the held
-   requests re-prefill. The next transition's Prepare waits until everything has landed.
+   requests re-prefill (a whole instance re-prefills the requests it held). The next transition's Prepare
+   waits until everything has landed.
 
 If Execute fails after anything changed, the worker heals to a whole instance and keeps the requests it
 owned as recompute preemptions (prompt + generated tokens re-prefilled: the same greedy tokens), so
@@ -469,7 +470,8 @@ class TransitionRunner:
     async def _land(self, landing: _Landing) -> None:
         """Write the KV that comes here while the engine serves, a slice of about ``landing_chunk_bytes``
         between two iterations, and tell the head which requests' KV has landed here. A flow that never comes
-        (its sender died) breaks the group: its members heal and the held requests re-prefill."""
+        (its sender died) breaks the group: its members heal and the held requests re-prefill (a whole instance,
+        after a restore, re-prefills only the requests it held)."""
         me = self.worker_id
         fault_point("die_in_landing", me)
         await asyncio.sleep(fault_delay("slow_landing", me))
@@ -509,7 +511,10 @@ class TransitionRunner:
                 await h.wait(self.timeout_s)
         except (TimeoutError, TransferError, RuntimeError, ValueError) as exc:
             self.log.error("kv_landing_failed", epoch=landing.epoch, error=f"{type(exc).__name__}: {exc}")
-            self.membership.break_group(landing.epoch, f"the KV exchange of transition {landing.epoch} failed: {exc}")
+            if self.role is None:  # a whole instance (a restore): no group to break, its held requests re-prefill
+                await self._on_engine(lambda engine: engine.abandon_landing(landing.epoch))
+            else:
+                self.membership.break_group(landing.epoch, f"the KV exchange of transition {landing.epoch} failed: {exc}")
             return
         self.log.info("kv_landed", epoch=landing.epoch, received=nbytes, stale=stale,
                       ms=round((time.perf_counter() - t0) * 1e3, 1))

@@ -516,8 +516,27 @@ class Engine:
         self._inflight.clear()
         self._plan.clear()
         self.scheduler.pinned.clear()
+        self._requeue_held()
+        for seq in list(self.scheduler.running):
+            self.scheduler.preempt(seq)
+
+    def abandon_landing(self, epoch: int) -> list[str]:
+        """The KV of transition `epoch` will not all land here (a sender was lost after the commit) and no group
+        break will re-prefill the requests waiting for it (this worker is a whole instance): they re-prefill now
+        (recompute preemption: the same greedy tokens) while the others keep running. Returns them."""
+        if self._landing is None or self._landing.epoch != epoch:
+            return []
+        held = list(self._held)
+        self._requeue_held()
+        if held:
+            self.clock.work_waiting()
+        return held
+
+    def _requeue_held(self) -> None:
+        """Forget the landing (nothing more of it is written); the held requests become recompute preemptions
+        (never swapped: their blocks hold no complete KV) and the blocks of aborted ones are freed."""
         self._landing = None
-        for seq in self._held.values():  # never swapped: their blocks hold no complete KV
+        for seq in self._held.values():
             self.allocator.free(seq.block_table.clear())
             seq.num_computed = 0
             seq.num_preemptions += 1
@@ -526,8 +545,6 @@ class Engine:
         for blocks in self._held_aborted.values():
             self.allocator.free(blocks)
         self._held_aborted.clear()
-        for seq in list(self.scheduler.running):
-            self.scheduler.preempt(seq)
 
     # -- roles in a layout: whole instance, group head, later stage -----------------------------------------
     def become_head(self, link: PipelineLink, kv_blocks: int, seqs: Iterable[SeqSnapshot],

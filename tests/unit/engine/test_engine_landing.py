@@ -60,6 +60,7 @@ def test_held_requests_wait_while_the_others_run_then_finish_with_the_reference_
     assert eng.kv_landing and eng.landing_epoch == EPOCH
     blocks = {s.request.request_id: s.blocks for s in snaps}
     assert not eng.land_blocks(EPOCH + 1, blocks[min(held_ids)], 0, CFG.num_layers, saved[min(held_ids)])  # stale
+    assert not eng.export_blocks(blocks[min(held_ids)], 0, CFG.num_layers).any(), "a stale landing wrote KV"
     assert eng.kv_landed(EPOCH + 1, "w1", sorted(held_ids)) == []  # another transition's report: ignored
     for rid in sorted(held_ids):
         assert eng.land_blocks(EPOCH, blocks[rid], 0, CFG.num_layers, saved[rid])
@@ -107,6 +108,43 @@ def test_a_group_breaking_turns_held_requests_into_recompute_preemptions():
     for rid in ref:
         if MID_DECODE_REQS[[r.request_id for r in MID_DECODE_REQS].index(rid)].sampling.greedy:
             assert got[rid] == ref[rid], rid
+
+
+def test_a_landing_that_will_never_complete_re_prefills_only_the_held_requests():
+    """abandon_landing (a whole instance after a restore whose sender was lost): the held requests re-prefill, an
+    aborted one's blocks are freed, the running ones go on untouched, nothing more of that landing is written,
+    and greedy tokens are the reference's."""
+    held_ids = decoding_ids()
+    victim = min(held_ids)
+    eng, out, saved, snaps = relanded(held_ids)
+    others = {rid: (s.num_computed, s.num_preemptions) for rid, s in eng.seqs.items() if rid not in held_ids}
+    assert others, "some requests run beside the held ones"
+    assert eng.abandon_landing(EPOCH + 1) == [] and eng.kv_landing
+    assert eng.abort(victim)
+    del out[victim]
+    assert sorted(eng.abandon_landing(EPOCH)) == sorted(held_ids - {victim})
+    assert not eng.kv_landing and eng.landing_epoch is None
+    assert {rid: (eng.seqs[rid].num_computed, eng.seqs[rid].num_preemptions) for rid in others} == others
+    rid = min(held_ids - {victim})
+    blocks = next(s.blocks for s in snaps if s.request.request_id == rid)
+    assert not eng.land_blocks(EPOCH, blocks, 0, CFG.num_layers, saved[rid])
+    assert eng.kv_landed(EPOCH, "w1", sorted(held_ids)) == []
+    got = finish(eng, out)  # every block free at the end: the aborted request's too
+    ref = uninterrupted()
+    for r in MID_DECODE_REQS:
+        if r.request_id != victim and r.sampling.greedy:
+            assert got[r.request_id] == ref[r.request_id], r.request_id
+
+
+def test_a_group_breaking_frees_the_blocks_of_aborted_held_requests():
+    held_ids = decoding_ids()
+    eng, out, _, _ = relanded(held_ids)
+    for rid in held_ids:
+        assert eng.abort(rid)
+        del out[rid]
+    eng.preempt_all()
+    assert not eng.kv_landing
+    finish(eng, out)  # asserts every block is free
 
 
 @pytest.mark.parametrize("waits, expected", [
