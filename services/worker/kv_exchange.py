@@ -38,7 +38,7 @@ class ExportStaging:
         self.used = 0
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        n = math.prod(shape) * dtype.itemsize
         if self.used + n > self.buf.numel():
             return None
         view = self.buf[self.used:self.used + n].view(dtype).view(shape)

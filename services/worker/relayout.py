@@ -533,7 +533,7 @@ class TransitionRunner:
         the blocks in use, with room for the requests to grow until the pause."""
         def estimate(engine: Engine) -> int:
             slab, dtype = engine.kv_slab()
-            row = math.prod(slab) * torch.empty((), dtype=dtype).element_size()
+            row = math.prod(slab) * dtype.itemsize
             layers = engine.runner.end - engine.runner.start
             return int(engine.kv_blocks_in_use() * 1.25 + 4) * layers * row
 
