@@ -79,10 +79,11 @@ async def probe(c: LocalCluster, args, t0: float) -> float:
     return first[0] - t0
 
 
-async def resumed(progress: dict, t0: float) -> float:
-    """Seconds from t0 until every loaded request has produced a token since this is called."""
+async def resumed(progress: dict, t0: float, load: asyncio.Task) -> float:
+    """Seconds from t0 until every loaded request has produced a token since this is called (or the load ended:
+    a request that finished meanwhile produces none)."""
     since = dict(progress)
-    while any(progress.get(i, 0) <= n for i, n in since.items()):
+    while any(progress.get(i, 0) <= n for i, n in since.items()) and not load.done():
         await asyncio.sleep(0.002)
     return time.perf_counter() - t0
 
@@ -109,7 +110,7 @@ async def main_async(args, c: LocalCluster, mode: str) -> list[dict[str, Any]]:
                 rpc_s = time.perf_counter() - t
                 rows.append(row("drop", rep, rpc_s, drop) |
                             {"mode": mode, "load": f"{requests}x{prompt}", "first_token_s": await first,
-                             "moved_resume_s": rpc_s + await resumed(progress, time.perf_counter())})
+                             "moved_resume_s": rpc_s + await resumed(progress, time.perf_counter(), task)})
                 await asyncio.sleep(args.serve_s)  # serve as pipeline groups for a while
                 t = time.perf_counter()
                 restore = await mm.Restore(memory_manager_pb2.RestoreRequest(), timeout=300)
