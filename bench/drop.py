@@ -11,8 +11,9 @@ At the moment of each drop's decision a new request (`--probe-tokens` tokens) is
 token" is the time from the decision to its first token (KunServe §4.2: it must not grow with the KV that
 moves), and "moved resume" the time from the decision until every loaded request has produced a token again
 (how long their KV took to land). Each `--modes` entry is a cluster of its own, run side by side:
-`coordinated` (memory_manager.coordinated_exchange = true: the KV lands after the commit) and `blocking`
-(false: every member pauses until the exchange has landed). Each `--loads` entry (REQUESTSxPROMPT) sets how
+`coordinated` (memory_manager.coordinated_exchange = true: the KV lands after the commit), `coordinated-cold`
+(the same, engine.warm_staging = false: the outgoing KV's host buffer is allocated at each drop's Prepare) and
+`blocking` (false: every member pauses until the exchange has landed). Each `--loads` entry (REQUESTSxPROMPT) sets how
 much KV moves.
 
     python bench/drop.py --quick
@@ -37,13 +38,18 @@ from kunserve.cli.launcher import LocalCluster  # noqa: E402
 from kunserve.shared.config import ClusterConfig  # noqa: E402
 from kunserve.v1 import memory_manager_pb2, memory_manager_pb2_grpc  # noqa: E402
 
-MODES = {"coordinated": True, "blocking": False}
+# mode -> (memory_manager.coordinated_exchange, engine.warm_staging)
+MODES = {"coordinated": (True, True), "coordinated-cold": (True, False), "blocking": (False, True)}
+
+
+def apply_mode(cfg: ClusterConfig, mode: str) -> None:
+    cfg.memory_manager.coordinated_exchange, cfg.engine.warm_staging = MODES[mode]
 
 
 def make_cluster(args, mode: str) -> LocalCluster:
     def configure(cfg: ClusterConfig) -> None:
         cfg.dispatcher.route_timeout_s = 120.0
-        cfg.memory_manager.coordinated_exchange = MODES[mode]
+        apply_mode(cfg, mode)
 
     return bench_cluster(f"drop-{mode}", args.workers, args.pool_mib, configure=configure)  # this driver decides drops
 
@@ -159,7 +165,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="loads 8x160,16x400, 1 repeat")
     ap.add_argument("--workers", type=int, default=2, help="workers (default 2: the drop merges a pair)")
-    ap.add_argument("--modes", default="coordinated,blocking", help="comma-separated: coordinated, blocking")
+    ap.add_argument("--modes", default="coordinated,blocking", help=f"comma-separated: {', '.join(MODES)}")
     ap.add_argument("--loads", default=None, help="REQUESTSxPROMPT, comma-separated: the requests decoding during "
                                                   "each transition and their prompt tokens (default 8x160,24x1000)")
     ap.add_argument("--max-tokens", type=int, default=None, help="output tokens per loaded request (default 400; "

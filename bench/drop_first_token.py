@@ -4,7 +4,9 @@ Issue 15's targets: the time from a drop's decision to the first token of a requ
 not grow with the KV the drop moves (<= 50 ms whether 5 MiB or 200 MiB moves), and the inter-token latency (ITL) of
 the requests that run during the exchange must stay within 1.5x of idle. Each `--modes` entry is a 2-worker cluster
 of its own: `coordinated` (memory_manager.coordinated_exchange = true: members resume at Commit, the KV lands in the
-background, only the moved requests wait) and `blocking` (false: every member pauses until the exchange landed).
+background, only the moved requests wait), `coordinated-cold` (the same with engine.warm_staging = false: each drop
+allocates the host buffer its outgoing KV is copied into at Prepare, page faults included) and `blocking` (false:
+every member pauses until the exchange landed).
 Each cluster first makes one unmeasured drop and restore while empty (a cluster's first transition also opens the
 transfer links). Then each `--loads` entry (REQUESTSxPROMPT) runs `--repeats` times; one repeat:
 
@@ -50,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from drop import MODES  # drop.py imports harness first, which puts the repository on sys.path
+from drop import MODES, apply_mode  # drop.py imports harness first, which puts the repository on sys.path
 from harness import bench_cluster, run_on, write_json
 
 from kunserve import client  # noqa: E402
@@ -127,7 +129,7 @@ class Bench:
 
 def make_cluster(args: argparse.Namespace, mode: str) -> LocalCluster:
     def configure(cfg: ClusterConfig) -> None:
-        cfg.memory_manager.coordinated_exchange = MODES[mode]
+        apply_mode(cfg, mode)
         cfg.policy.overload = "queue"  # whole-life admission: the load fills memory without ever being preempted
         cfg.dispatcher.route_timeout_s = 120.0
         cfg.dispatcher.queue_timeout_s = 300.0  # the last loaded request waits for the others' prefill
@@ -417,7 +419,8 @@ def parse_loads(text: str) -> list[Load]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="loads 112x8,112x380, 1 repeat, 0.5 s windows")
-    ap.add_argument("--modes", default="coordinated,blocking", help="comma-separated: coordinated, blocking")
+    ap.add_argument("--modes", default="coordinated,coordinated-cold,blocking",
+                    help=f"comma-separated: {', '.join(MODES)}")
     ap.add_argument("--loads", type=parse_loads, default=None,
                     help="REQUESTSxPROMPT, comma-separated: the requests decoding at the decision and their prompt "
                          "tokens, which set the KV moved (default 112x8,112x800: about 10-30 and 200 MiB; "

@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
 
         async def started() -> None:
             engine_loop.start()
+            if servicer.transitions is not None and cfg.engine.warm_staging:
+                tasks.append(asyncio.create_task(servicer.transitions.keep_staging_warm()))
             tasks.append(asyncio.create_task(report_stats_forever(
                 cfg.monitor.address, cfg.monitor.stats_interval_s, servicer.current_stats)))
 

@@ -69,13 +69,14 @@ from kunserve.v1 import worker_pb2
 
 from .group import GroupRole
 from .handover import StreamHandover
-from .kv_exchange import ExportStaging, arrivals, export_flow, import_flow, landing_slices, receive_flows, send_flows
+from .kv_exchange import ExportStaging, StagingReserve, arrivals, export_flow, import_flow, landing_slices, receive_flows, send_flows
 from .lease import MAX_LEASE_S, TransitionLease
 from .membership import LANDED, GroupMembership
 from .peers import PeerLinks, PeerUnreachable
 from .weight_exchange import WeightReceiver, export_weights, send_weights
 
 LANDING_CHUNK_BYTES = 4 << 20  # KV written per engine-thread call while landing: about one stage step's copy
+STAGING_WARM_S = 0.5  # how often the idle export staging is checked against the KV in use
 
 
 class TransitionRefused(RuntimeError):
@@ -97,6 +98,7 @@ class _Landing:
     incoming: dict[tuple[str, str], Flow]
     local: torch.Tensor | None      # the message of the local flow, if any
     sends: list[SendHandle]
+    staging: ExportStaging | None   # what the outgoing messages are views of: back to the reserve once sent
 
 
 @dataclass
@@ -144,6 +146,7 @@ class TransitionRunner:
         self.lease = TransitionLease(self._steps)
         self._landing_task: asyncio.Task | None = None
         self.landing_chunk_bytes = LANDING_CHUNK_BYTES
+        self.staging = StagingReserve()
 
     # -- state ------------------------------------------------------------------------------------------
     @property
@@ -246,19 +249,21 @@ class TransitionRunner:
             raise TransitionRefused(exc.code, str(exc)) from None
         await self._settle_landing()
         pulled, sent = (await self._pull_weights(spec, old_units, new_units)) if spec.background_kv else (None, 0)
-        staging = await self._export_staging()
-        # from here on Generate refuses new requests
-        self.prepared = _Prepared(spec, [], weights=pulled, weight_bytes_sent=sent, staging=staging,
-                                  paused_at=time.perf_counter())
+        # from here on Generate refuses new requests. The one wait for the engine: its iteration in flight ends
+        # (every other engine-thread call here would add up to one more iteration to the decision's latency)
+        self.prepared = _Prepared(spec, [], weights=pulled, weight_bytes_sent=sent, paused_at=time.perf_counter())
         self.engine_loop.pause()
         try:
-            def quiesce(engine: Engine) -> tuple[list[SeqSnapshot], int]:
+            def quiesce(engine: Engine) -> tuple[list[SeqSnapshot], int, int]:
                 for ev in engine.drain_inflight():
                     self.engine_loop.emit(ev)
-                return engine.snapshot(), self.instance.capacity_for(*new.range)
+                return engine.snapshot(), self.instance.capacity_for(*new.range), self._staging_bytes(engine)
 
-            snap, after = await self._on_engine(quiesce)
+            snap, after, nbytes = await self._on_engine(quiesce)
+            self.prepared.staging = await self._export_staging(nbytes)
         except BaseException:
+            if self.prepared is not None and self.prepared.staging is not None:
+                self.staging.give_back(self.prepared.staging)
             self.prepared = None
             self.engine_loop.resume()
             raise
@@ -278,11 +283,14 @@ class TransitionRunner:
         if p is not None and p.spec.epoch == epoch:
             if p.executed:
                 self.log.warning("transition_undone_healing", epoch=epoch)
+                self.staging.lost()
                 await self._undo(p)
                 self.epoch = max(self.epoch, epoch)
             else:
                 joined = None  # nothing changed: no group was joined
                 self.log.info("transition_aborted", epoch=epoch)
+                if p.staging is not None:
+                    self.staging.give_back(p.staging)
             self.prepared = None
             self.engine_loop.resume()
         elif p is None and self.epoch == epoch and self.role is not None:
@@ -311,6 +319,7 @@ class TransitionRunner:
             await self._execute(spec, p, stats)
         except BaseException as exc:
             self.log.error("transition_failed_healing", epoch=spec.epoch, error=f"{type(exc).__name__}: {exc}")
+            self.staging.lost()
             await self._undo(p)
             self.epoch = spec.epoch
             self.prepared = None
@@ -364,7 +373,6 @@ class TransitionRunner:
             return messages, weights_out
 
         messages, weights_out = await self._on_engine(copy_out)
-        p.staging = None  # the messages keep what they use of it
         stats.gather_s = time.perf_counter() - t0
 
         # 2. send on the KV-exchange class (activations of other groups still overtake it between chunks), and
@@ -416,7 +424,7 @@ class TransitionRunner:
         loop = self.loop
         landing: KVLanding | None = None
         if background:
-            p.landing = _Landing(spec.epoch, new_unit.head, incoming, messages.get(me), handles)
+            p.landing = _Landing(spec.epoch, new_unit.head, incoming, messages.get(me), handles, p.staging)
             mine_ids = {s.request.request_id for s in mine}
             landing = KVLanding.expecting(spec.epoch, {rid: ws for rid, ws in _receivers(flows).items()
                                                        if rid in mine_ids})
@@ -429,6 +437,8 @@ class TransitionRunner:
 
         await self._on_engine(finish)
         stats.scatter_s = time.perf_counter() - t0
+        if not background and p.staging is not None:  # every send done, every message written
+            self.staging.give_back(p.staging)
         self._switch_streams(p, old_owned, {s.request.request_id for s in mine}, spec, new_units)
         self.log.info("transition_done", epoch=spec.epoch, op=spec.op, unit=new_unit.unit_id,
                       layers=list(new_member.range), requests=len(mine), sent=stats.bytes_sent,
@@ -511,11 +521,14 @@ class TransitionRunner:
                 await h.wait(self.timeout_s)
         except (TimeoutError, TransferError, RuntimeError, ValueError) as exc:
             self.log.error("kv_landing_failed", epoch=landing.epoch, error=f"{type(exc).__name__}: {exc}")
+            self.staging.lost()
             if self.role is None:  # a whole instance (a restore): no group to break, its held requests re-prefill
                 await self._on_engine(lambda engine: engine.abandon_landing(landing.epoch))
             else:
                 self.membership.break_group(landing.epoch, f"the KV exchange of transition {landing.epoch} failed: {exc}")
             return
+        if landing.staging is not None:
+            self.staging.give_back(landing.staging)
         self.log.info("kv_landed", epoch=landing.epoch, received=nbytes, stale=stale,
                       ms=round((time.perf_counter() - t0) * 1e3, 1))
 
@@ -528,17 +541,49 @@ class TransitionRunner:
             self.svc.submit(landing.head, CONTROL, torch.zeros(1, dtype=torch.uint8), name=LANDED,
                             epoch=landing.epoch, request_ids=request_ids)
 
-    async def _export_staging(self) -> ExportStaging:
-        """Memory for the KV Execute copies out, faulted in now while the engine serves: every held layer of
-        the blocks in use, with room for the requests to grow until the pause."""
-        def estimate(engine: Engine) -> int:
-            slab, dtype = engine.kv_slab()
-            row = math.prod(slab) * dtype.itemsize
-            layers = engine.runner.end - engine.runner.start
-            return int(engine.kv_blocks_in_use() * 1.25 + 4) * layers * row
+    async def _export_staging(self, nbytes: int) -> ExportStaging:
+        """Memory for the `nbytes` of KV Execute may copy out: the reserve's idle buffer when it is large enough
+        (the usual case: ``keep_staging_warm`` grew it ahead of the KV in use), else allocated and faulted in
+        now, inside the pause (engine.warm_staging = false, or a burst that outgrew the reserve)."""
+        warm = self.staging.lend(nbytes)
+        if warm is not None:
+            return warm
+        t0 = time.perf_counter()
+        cold = await asyncio.to_thread(self.staging.allocate, nbytes)
+        self.log.info("export_staging_cold", mib=round(nbytes / 2**20, 1), ms=round((time.perf_counter() - t0) * 1e3, 1))
+        return cold
 
-        nbytes = await self._on_engine(estimate)
-        return await asyncio.to_thread(ExportStaging, nbytes)
+    @staticmethod
+    def _staging_bytes(engine: Engine) -> int:
+        """The most Execute may copy out: every held layer of the blocks in use (engine thread, paused)."""
+        return engine.kv_blocks_in_use() * _kv_row_bytes(engine)
+
+    @staticmethod
+    def _staging_wanted(engine: Engine) -> tuple[int, int]:
+        """(what a drop decided now would copy out, with room for the requests to grow until it pauses; the
+        most it ever can: every held layer's whole KV) in bytes (engine thread)."""
+        row = _kv_row_bytes(engine)
+        upper = engine.allocator.num_blocks * row
+        return min(upper, int(engine.kv_blocks_in_use() * 1.25 + 4) * row), upper
+
+    async def keep_staging_warm(self, interval_s: float = STAGING_WARM_S) -> None:
+        """Grow the idle export staging ahead of the KV in use while nothing transitions (StagingReserve), so
+        the Prepare of a drop decided under a burst does not wait for page faults. Runs until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if self.prepared is not None or self._landing_pending() or not self.engine_loop.running:
+                continue
+            try:
+                needed, upper = await self._on_engine(self._staging_wanted)
+            except (TimeoutError, RuntimeError):
+                continue
+            nbytes = self.staging.wants(needed, upper)
+            if nbytes:
+                self.staging.stock(await asyncio.to_thread(self.staging.allocate, nbytes))
+                self.log.info("export_staging_grown", mib=round(nbytes / 2**20, 1))
+
+    def _landing_pending(self) -> bool:
+        return self._landing_task is not None and not self._landing_task.done()
 
     async def _settle_landing(self) -> None:
         """Before the next transition: the previous one's KV has landed everywhere (a snapshot must not take
@@ -547,7 +592,7 @@ class TransitionRunner:
         task = self._landing_task
         if task is not None and not task.done():
             await asyncio.wait([task], timeout=self.timeout_s)
-        while await self._on_engine(lambda engine: engine.kv_landing):
+        while self.engine_loop.engine.kv_landing:  # read, not an engine-thread call: that waits for an iteration
             if time.monotonic() > deadline:
                 raise TransitionRefused("UNAVAILABLE", "the KV of the previous transition is still landing; "
                                         "retry when it has")
@@ -568,6 +613,12 @@ class TransitionRunner:
             weight_bytes_sent=stats.weight_bytes_sent, weight_bytes_from_peers=stats.weight_bytes.get("peer", 0),
             weight_bytes_from_host=stats.weight_bytes.get("host", 0),
             weight_bytes_from_checkpoint=stats.weight_bytes.get("checkpoint", 0))
+
+
+def _kv_row_bytes(engine: Engine) -> int:
+    """Bytes of one block's KV over every layer the engine holds."""
+    slab, dtype = engine.kv_slab()
+    return math.prod(slab) * dtype.itemsize * (engine.runner.end - engine.runner.start)
 
 
 def _receivers(flows: dict[tuple[str, str], Flow]) -> dict[str, set[str]]:

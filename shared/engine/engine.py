@@ -620,7 +620,7 @@ class Engine:
 
     @property
     def kv_landing(self) -> bool:
-        """Requests still wait for KV of a transition to land."""
+        """Requests still wait for KV of a transition to land (safe to read from any thread: two dicts' truth)."""
         return bool(self._held) or bool(self._held_aborted)
 
     @property

@@ -6,7 +6,7 @@ import pytest
 import torch
 from engine_testing import one_torch_thread, weights_for  # noqa: F401 - fixture
 
-from kunserve.services.worker.kv_exchange import ExportStaging, export_flow, import_flow, landing_slices
+from kunserve.services.worker.kv_exchange import ExportStaging, StagingReserve, export_flow, import_flow, landing_slices
 from kunserve.shared.engine.engine import Engine
 from kunserve.shared.model.architecture import TINY_CONFIG
 from kunserve.shared.policy.transition_plan import Flow, FlowPart
@@ -56,3 +56,21 @@ def test_landing_slices_cover_the_message_in_order_and_import_the_same_bytes():
                            engine.export_blocks(p.old_blocks, p.layer_start, p.layer_end))
     with pytest.raises(ValueError, match="expected"):
         list(landing_slices(flow, data[:-1], max_bytes=row))
+
+
+def test_staging_reserve_grows_by_quarters_lends_only_what_fits_and_never_grows_while_lent():
+    assert [StagingReserve.target(n, 1000) for n in (0, 1, 250, 251, 999, 1000)] == [0, 250, 250, 500, 1000, 1000]
+    assert StagingReserve.target(1200, 1000) == 1200  # more than the bound (requests grew): what is needed
+    r = StagingReserve()
+    assert r.wants(300, 1000) == 500 and r.lend(10) is None and r.lent
+    assert r.wants(300, 1000) == 0, "a transition holds a buffer"
+    r.lost()
+    r.stock(r.allocate(500))
+    assert r.wants(300, 1000) == 0 and r.wants(600, 1000) == 750
+    s = r.lend(400)
+    assert s is not None and r.idle is None and s.take((100,), torch.uint8) is not None
+    r.give_back(s)
+    again = r.lend(500)
+    assert again is s and again.used == 0, "lent again from the start"
+    r.give_back(again)
+    assert r.lend(600) is None and r.idle is None, "too small: dropped, the cold allocation replaces it"

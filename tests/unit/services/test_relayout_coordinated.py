@@ -127,6 +127,30 @@ def test_a_new_request_runs_while_the_moved_requests_wait_for_their_kv_then_all_
     asyncio.run(main())
 
 
+def test_a_drop_lends_the_staging_kept_warm_and_gets_it_back_once_its_kv_has_landed():
+    """keep_staging_warm faults the outgoing KV's buffer in while the engines serve; the drop then allocates
+    nothing at Prepare, and the buffer returns to the reserve only after every send and landing is done."""
+    async def main() -> None:
+        async with cluster() as (net, workers):
+            reqs = start_requests(workers, max_tokens=MAX_TOKENS)
+            await reqs.until_each_has(3)
+            warming = [asyncio.create_task(w.runner.keep_staging_warm(0.01)) for w in workers.values()]
+            await until(lambda: all(w.runner.staging.idle is not None for w in workers.values()), "staging warmed")
+            for t in warming:
+                t.cancel()
+            allocations = {wid: w.runner.staging.allocations for wid, w in workers.items()}
+            gate = KVGate(net, ["w0", "w1"]).hold()
+            await drop(workers)
+            assert {wid: w.runner.staging.allocations for wid, w in workers.items()} == allocations, "a cold staging"
+            assert all(w.runner.staging.lent and w.runner.staging.idle is None for w in workers.values())
+            gate.release()
+            await until(lambda: not any(w.runner.staging.lent for w in workers.values()), "staging given back")
+            assert all(w.runner.staging.idle is not None for w in workers.values())
+            await reqs.finish()
+
+    asyncio.run(main())
+
+
 def test_kv_lost_on_the_way_to_the_head_breaks_the_group_and_loses_no_request():
     async def main() -> None:
         async with cluster(timeout_s=6.0) as (net, workers):
@@ -138,6 +162,7 @@ def test_kv_lost_on_the_way_to_the_head_breaks_the_group_and_loses_no_request():
             await until(lambda: w0.runner.role is None and w1.runner.role is None, "both members healed")
             await reqs.finish()
             assert w0.inst.layer_range == (0, NUM_LAYERS) and not w0.loop.engine.kv_landing
+            assert not w0.runner.staging.lent and w0.runner.staging.idle is None, "a buffer a send may still read"
 
     asyncio.run(main())
 
