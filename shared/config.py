@@ -117,6 +117,9 @@ class EngineSection:
     page_kib: int = 2048  # pool page size (2 MiB = the CUDA VMM granularity)
     memory_backend: str = "auto"  # auto | host | cuda
     host_copy: bool = True  # keep a DRAM copy of the weights for fast restores
+    # keep the host buffer a drop copies its outgoing KV into faulted in ahead of the KV in use (up to the peak
+    # KV in use, in host memory), so a drop's decision waits for no page faults; false: allocate it at each drop
+    warm_staging: bool = True
     max_num_batched_tokens: int = 256  # per-iteration token budget
     max_num_seqs: int = 64
     threads: int = 0  # torch threads per worker; 0 = share of the cores
