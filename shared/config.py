@@ -85,6 +85,12 @@ class DispatcherSection(ServiceSection):
     # The OpenAI-compatible HTTP front (/v1/completions, /v1/chat/completions, ...) on the same host / bind as
     # the gRPC API; 0 = none.
     http_port: int = 8000
+    # Offline batches (the Batches gRPC service, `kunserve batch`, /v1/files + /v1/batches): the durable job store,
+    # one SQLite file created on the first submit (a relative path is relative to the dispatcher's working dir).
+    batch_db: str = "kunserve-batches.sqlite3"
+    batch_max_bytes: int = 100 * 1024 * 1024  # a batch's input file
+    batch_max_requests: int = 50_000  # requests (lines) in one batch, OpenAI's limit
+    batch_concurrency: int = 8  # batch requests in flight at once (offline class, within the admission bounds)
 
     @property
     def http_address(self) -> str:
@@ -123,11 +129,13 @@ class EngineSection:
     max_num_batched_tokens: int = 256  # per-iteration token budget
     max_num_seqs: int = 64
     threads: int = 0  # torch threads per worker; 0 = share of the cores
-    # SLO-aware token budget (ConServe): a cost-model profile file written by `kunserve profile`. With
-    # budget = "auto" a worker whose model / device / layer range / threads match a profile in it keeps
-    # every iteration's predicted latency under budget_headroom * slo.tbt_ms; otherwise (no file, no
-    # match: a warning) it uses the fixed max_num_batched_tokens. "fixed" ignores the profile.
+    # SLO-aware token budget (ConServe), on by default: with budget = "auto" a worker keeps every iteration's
+    # predicted latency under budget_headroom * slo.tbt_ms (and its tokens under max_num_batched_tokens), under
+    # the cost-model profile for its model / dtype / layer range / device / threads from `profile` (a file
+    # written by `kunserve profile`), else from `profile_cache`, else measured at start-up (seconds) and added
+    # to profile_cache. profile_cache = "" turns self-profiling off. "fixed" = max_num_batched_tokens always.
     profile: str = ""
+    profile_cache: str = "~/.cache/kunserve/profiles.json"
     budget: str = "auto"  # auto | fixed
     budget_headroom: float = 0.9
     # Microbatches of a pipeline group's head (KunServe §4.3): with a long queue, the lookahead formulation
@@ -387,6 +395,11 @@ def validate(cfg: ClusterConfig) -> None:
             raise ConfigError(f"{src}: dispatcher.{key} must be >= 0 (0 = automatic), got {getattr(d, key)}")
     if not (d.queue_timeout_s > 0 and d.stall_timeout_s > 0):
         raise ConfigError(f"{src}: dispatcher.queue_timeout_s and dispatcher.stall_timeout_s must be > 0")
+    for key in ("batch_max_bytes", "batch_max_requests", "batch_concurrency"):
+        if getattr(d, key) <= 0:
+            raise ConfigError(f"{src}: dispatcher.{key} must be > 0, got {getattr(d, key)}")
+    if not d.batch_db:
+        raise ConfigError(f"{src}: dispatcher.batch_db must name the batch store's file")
     _validate_security(cfg.security, src)
     if not 0.1 <= cfg.memory_manager.transition_lease_s <= 3600:
         raise ConfigError(f"{src}: memory_manager.transition_lease_s must be in [0.1, 3600], "

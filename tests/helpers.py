@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import sys
+import tempfile
 
 import grpc
 
@@ -14,6 +16,9 @@ from kunserve.shared.config import load_config
 from kunserve.v1 import common_pb2
 
 TEST_POOL_MIB = 48
+# Workers measure their cost-model profile once per machine (engine.profile_cache) and read it back after: the
+# tests' clusters share one cache outside the user's home, kept between runs like a user's.
+TEST_PROFILE_CACHE = os.path.join(tempfile.gettempdir(), f"kunserve-test-{os.getuid()}", "profiles.json")
 
 
 def make_config(num_workers: int = 2, **engine):
@@ -22,6 +27,7 @@ def make_config(num_workers: int = 2, **engine):
     assign_free_ports(cfg)
     cfg.engine.pool_mib = engine.pop("pool_mib", TEST_POOL_MIB)
     cfg.engine.threads = 1
+    cfg.engine.profile_cache = TEST_PROFILE_CACHE
     cfg.monitor.stats_interval_s = 0.1
     cfg.monitor.auto_drop = engine.pop("auto_drop", False)  # tests that want automatic drops ask for them
     cfg.logging.format = "json"

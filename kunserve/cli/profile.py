@@ -41,7 +41,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     from kunserve.shared.config import ConfigError, load_config
-    from kunserve.shared.engine.profiler import BatchTimer, fit_profile, grid_blocks, measure_grid, profile_grid
+    from kunserve.shared.engine.profiler import profile_grid, profile_layers
     from kunserve.shared.model.weights import load_model_source
     from kunserve.shared.process import DeviceError, pick_device, thread_share
     from kunserve.shared.profile_files import device_signature, write_profile
@@ -69,26 +69,24 @@ def cmd_profile(args: argparse.Namespace) -> None:
         _fail("--threads must be >= 1")
     torch.set_num_threads(threads)
     sig = device_signature(device, threads)
-    grid = profile_grid(min(mcfg.max_position_embeddings, args.max_len), quick=args.quick)
+    n_points = len(profile_grid(min(mcfg.max_position_embeddings, args.max_len), quick=args.quick))
     repeats = args.repeats or (3 if args.quick else 7)
     console.print(f"[bold]Profiling[/] {source.name} ({mcfg.dtype}) layers [{layers[0]}, {layers[1]}) on {sig}: "
-                  f"{len(grid)} batch shapes x {repeats} runs")
-    try:
-        timer = BatchTimer(mcfg, source.load_weights(layers), layers, device, block_size=cfg.engine.block_size,
-                           max_blocks=grid_blocks(grid, cfg.engine.block_size), pack_weights=False)
-    except (OSError, ValueError, RuntimeError) as exc:
-        _fail(f"cannot build the model: {exc}")
+                  f"{n_points} batch shapes x {repeats} runs")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
-        task = progress.add_task("measuring", total=len(grid))
+        task = progress.add_task("measuring", total=n_points)
 
         def step(i: int, n: int, point) -> None:
             phase, chunks = point
             progress.update(task, completed=i, description=f"{phase:<15} {len(chunks):>3} chunk(s)")
 
-        samples = measure_grid(timer, grid, repeats, step)
-    run = fit_profile(samples, model=source.name, dtype=mcfg.dtype, layers=layers, device_sig=sig,
-                      torch_version=torch.__version__)
+        try:
+            run = profile_layers(mcfg, source.load_weights(layers), model=source.name, layers=layers, device=device,
+                                 device_sig=sig, block_size=cfg.engine.block_size, max_len=args.max_len,
+                                 quick=args.quick, repeats=repeats, progress=step)
+        except (OSError, ValueError, RuntimeError) as exc:
+            _fail(f"cannot profile the model: {exc}")
     prof = run.profile
     write_profile(args.out, prof)
 

@@ -1,23 +1,28 @@
 """Build a worker's model instance from the cluster config: the layer range in the unified memory
 pool (weights + KV cache share its pages), the engine on top, the device, the thread count and the
-token budget (SLO-aware from a matching cost-model profile, else the fixed one) and how the engine cuts its
-queue into microbatches when it heads a pipeline group (lookahead under the same profile, else token chunking)."""
+token budget (SLO-aware under its cost-model profile: the configured one, the cached one or one it measures at
+start-up; else the fixed one) and how the engine cuts its queue into microbatches when it heads a pipeline group
+(lookahead under the same profile, else token chunking)."""
 
 from __future__ import annotations
 
+import torch
+
+from kunserve.services.worker.own_profile import ProfileKey, cache_path, find_own_profile
 from kunserve.services.worker.servicer import WorkerIdentity
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
+from kunserve.shared.engine.profiler import profile_layers
 from kunserve.shared.log import get_logger
 from kunserve.shared.memory.errors import MemoryPoolError
-from kunserve.shared.model.weights import load_model_source
+from kunserve.shared.model.weights import ModelSource, load_model_source
 from kunserve.shared.policy.batch_scheduler import FixedTokenBudget, SchedulerConfig, TokenBudget
 from kunserve.shared.policy.microbatch import MicrobatchFormer
 from kunserve.shared.policy.overload_policies import overload_handling
 from kunserve.shared.policy.token_budget import SLOTokenBudget
 from kunserve.shared.process import DeviceError, pick_device, thread_share
-from kunserve.shared.profile_files import ProfileError, device_signature, find_profile
+from kunserve.shared.profile_files import Profile, device_signature
 
 MIB = 1024 * 1024
 
@@ -32,47 +37,54 @@ def memory_backend(setting: str, device: str) -> str:
     return "cuda" if device == "cuda" else "host"
 
 
-def make_token_budget(cfg: ClusterConfig, *, model: str, dtype: str, layers: tuple[int, int], device: str,
-                      threads: int) -> tuple[TokenBudget, str]:
+def make_token_budget(cfg: ClusterConfig, prof: Profile | None, found: str) -> tuple[TokenBudget, str]:
     """The iteration token budget for this worker and a one-line reason (logged at start).
 
-    engine.profile names a file written by `kunserve profile`; with engine.budget = "auto" and an entry
-    for exactly this model, dtype, layer range and device (CPU: model name and thread count), the
-    worker runs ConServe's SLO-aware budget: every iteration's predicted latency stays under
-    budget_headroom * slo.tbt_ms. Anything else falls back to the fixed max_num_batched_tokens;
-    a configured profile that cannot be used is reported as a warning reason ("fallback: ...")."""
+    With engine.budget = "auto" and a profile (own_profile: the configured file's, the cache's, or measured at
+    start-up; `found` says which, or why there is none) the worker runs ConServe's SLO-aware budget: every
+    iteration's predicted latency stays under budget_headroom * slo.tbt_ms, and max_num_batched_tokens stays
+    the hard cap (vLLM's meaning of it: the activations one step may hold). "fixed", or no profile: the fixed
+    max_num_batched_tokens (a fallback is reported as a warning reason, "fallback: ...")."""
     e = cfg.engine
     fixed = FixedTokenBudget(e.max_num_batched_tokens)
-    if e.budget == "fixed" or not e.profile:
-        return fixed, f"fixed: {e.max_num_batched_tokens} tokens per iteration"
-    sig = device_signature(device, threads)
-    try:
-        prof = find_profile(e.profile, model=model, dtype=dtype, layers=layers, device_sig=sig)
-    except ProfileError as exc:
-        return fixed, f"fallback: {exc}; using the fixed {e.max_num_batched_tokens} tokens per iteration"
-    budget = SLOTokenBudget(prof.conserve, tbt_s=cfg.slo.tbt_ms / 1e3, headroom=e.budget_headroom)
-    return budget, (f"slo: profile {prof.key} from {e.profile}, target {budget.target_s * 1e3:.1f} ms "
-                    f"({e.budget_headroom:g} x tbt {cfg.slo.tbt_ms:g} ms)")
+    if e.budget == "fixed":
+        return fixed, f"fixed: {e.max_num_batched_tokens} tokens per iteration (engine.budget = fixed)"
+    if prof is None:
+        return fixed, f"{found}; using the fixed {e.max_num_batched_tokens} tokens per iteration"
+    budget = SLOTokenBudget(prof.conserve, tbt_s=cfg.slo.tbt_ms / 1e3, headroom=e.budget_headroom,
+                            max_tokens=e.max_num_batched_tokens)
+    return budget, (f"slo: {found}, target {budget.target_s * 1e3:.1f} ms ({e.budget_headroom:g} x tbt "
+                    f"{cfg.slo.tbt_ms:g} ms), at most {e.max_num_batched_tokens} tokens")
 
 
-def make_microbatch_former(cfg: ClusterConfig, *, model: str, dtype: str, layers: tuple[int, int], device: str,
-                           threads: int) -> tuple[MicrobatchFormer, str]:
+def make_microbatch_former(cfg: ClusterConfig, prof: Profile | None, found: str) -> tuple[MicrobatchFormer, str]:
     """How this worker cuts its queue into microbatches when it heads a pipeline group, and a one-line reason
-    (logged at start). With engine.lookahead and a profile for exactly this model, dtype, layer range and device
-    (the one the SLO budget would use), the lookahead formulation balances microbatches under the profile's
-    KunServe cost model; it is fitted on the whole layer range, but a head balances its own stage with it: Eq. 1
-    scales with the number of layers, so the cheapest balance point stays where it is. Anything else: token
-    chunking."""
-    e = cfg.engine
-    if not e.lookahead:
+    (logged at start). With engine.lookahead and a profile (the one the SLO budget uses), the lookahead
+    formulation balances microbatches under the profile's KunServe cost model; it is fitted on the whole layer
+    range, but a head balances its own stage with it: Eq. 1 scales with the number of layers, so the cheapest
+    balance point stays where it is. Anything else: token chunking."""
+    if not cfg.engine.lookahead:
         return MicrobatchFormer(None, lookahead=False), "token chunking (engine.lookahead = false)"
-    if not e.profile:
-        return MicrobatchFormer(None), "token chunking: no cost-model profile (engine.profile) for lookahead"
-    try:
-        prof = find_profile(e.profile, model=model, dtype=dtype, layers=layers, device_sig=device_signature(device, threads))
-    except ProfileError as exc:
-        return MicrobatchFormer(None), f"fallback: {exc}; token chunking instead of lookahead"
-    return MicrobatchFormer(prof.kunserve), f"lookahead: cost model of profile {prof.key} from {e.profile}"
+    if prof is None:
+        return MicrobatchFormer(None), f"{found}; token chunking instead of lookahead"
+    return MicrobatchFormer(prof.kunserve), f"lookahead: cost model of {found}"
+
+
+def worker_profile(cfg: ClusterConfig, source: ModelSource, layers: tuple[int, int], device: str,
+                   threads: int) -> tuple[Profile | None, str]:
+    """The profile this worker's budget and microbatches use, and where it came from (own_profile.py): none is
+    looked for (nor measured) when neither needs one."""
+    e = cfg.engine
+    if e.budget == "fixed" and not e.lookahead:
+        return None, "no profile needed"
+    key = ProfileKey(source.name, source.config.dtype, layers, device_signature(device, threads))
+
+    def measure() -> Profile:
+        torch.set_num_threads(threads)
+        return profile_layers(source.config, source.load_weights(layers), model=source.name, layers=layers,
+                              device=device, device_sig=key.device_sig, block_size=e.block_size).profile
+
+    return find_own_profile(key, configured=e.profile, cache=cache_path(e.profile_cache), measure=measure)
 
 
 def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, PooledInstance, WorkerIdentity]:
@@ -93,8 +105,8 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Pooled
                                f"{mcfg.num_layers} layers")
     e = cfg.engine
     threads = thread_share(cfg)
-    budget, why = make_token_budget(cfg, model=source.name, dtype=mcfg.dtype, layers=(start, end), device=device,
-                                    threads=threads)
+    prof, found = worker_profile(cfg, source, (start, end), device, threads)
+    budget, why = make_token_budget(cfg, prof, found)
     try:
         instance = PooledInstance(
             source, layer_range=(start, end), pool_bytes=e.pool_mib * MIB, page_size=e.page_kib * 1024,
@@ -109,8 +121,7 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Pooled
         raise WorkerBuildError(f"cannot load model weights: {exc}") from None
     log = get_logger()
     (log.warning if why.startswith("fallback") else log.info)("token_budget", budget=why)
-    instance.engine.former, why = make_microbatch_former(cfg, model=source.name, dtype=mcfg.dtype, layers=(start, end),
-                                                         device=device, threads=threads)
+    instance.engine.former, why = make_microbatch_former(cfg, prof, found)
     (log.warning if why.startswith("fallback") else log.info)("pipeline_microbatches", microbatches=why)
     loop = EngineLoop(instance.engine, num_threads=threads)
     identity = WorkerIdentity(

@@ -195,3 +195,17 @@ def measure_grid(timer: BatchTimer, grid: list[GridPoint], repeats: int,
 
 def grid_blocks(grid: list[GridPoint], block_size: int) -> int:
     return max(sum(blocks_needed(c + p, block_size) for c, p in chunks) for _, chunks in grid)
+
+
+def profile_layers(cfg: ModelConfig, weights: Weights, *, model: str, layers: tuple[int, int], device: str,
+                   device_sig: str, block_size: int, max_len: int = 2048, quick: bool = True, repeats: int = 0,
+                   progress: Callable[[int, int, GridPoint], None] | None = None) -> ProfileRun:
+    """Measure one layer range over the grid and fit both models: what `kunserve profile` and a worker that
+    profiles itself at start-up both run. Weights are not oneDNN-packed, as in the worker's memory pool."""
+    grid = profile_grid(min(cfg.max_position_embeddings, max_len), quick=quick)
+    timer = BatchTimer(cfg, weights, layers, device, block_size=block_size, max_blocks=grid_blocks(grid, block_size),
+                       pack_weights=False)
+    samples = measure_grid(timer, grid, repeats or (3 if quick else 7), progress)
+    del timer
+    return fit_profile(samples, model=model, dtype=cfg.dtype, layers=layers, device_sig=device_sig,
+                       torch_version=torch.__version__)

@@ -1,6 +1,6 @@
-"""How a worker picks its token budget from the cluster config: a profile for exactly its model,
-dtype, layer range and device gives the SLO-aware budget; anything else falls back to the fixed one
-with a reason; config validation of the new keys."""
+"""How a worker picks its token budget: its profile (own_profile.py finds it) gives the SLO-aware budget, capped
+at max_num_batched_tokens; engine.budget = "fixed" or no profile the fixed one, with a reason; config validation
+of the budget keys."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kunserve.shared.config import ConfigError, config_from_dict, validate
 from kunserve.shared.policy.batch_scheduler import FixedTokenBudget
 from kunserve.shared.policy.costmodel import ConServeLatencyModel, KunServeCostModel
 from kunserve.shared.policy.token_budget import SLOTokenBudget
-from kunserve.shared.profile_files import Profile, device_signature, write_profile
+from kunserve.shared.profile_files import Profile, device_signature
 
 CON = ConServeLatencyModel(k1=8.8e-5, k2=6e-8, k3=0.0, k4=9.6e-7, k5=3.2e-3)
 
@@ -22,39 +22,22 @@ def _config(**engine):
     return cfg
 
 
-def _write(path, layers=(0, 4), threads=1):
-    write_profile(path, Profile(model="kunserve-tiny", dtype="float32", layers=layers,
-                                device=device_signature("cpu", threads), kunserve=KunServeCostModel(1e-7, 1e-4, 1e-3),
-                                conserve=CON, fit={}, samples=[]))
+def _profile(layers=(0, 4), threads=1) -> Profile:
+    return Profile(model="kunserve-tiny", dtype="float32", layers=layers, device=device_signature("cpu", threads),
+                   kunserve=KunServeCostModel(1e-7, 1e-4, 1e-3), conserve=CON, fit={}, samples=[])
 
 
-def test_no_profile_or_fixed_mode_uses_the_fixed_budget(tmp_path):
-    for cfg in (_config(), _config(profile=str(tmp_path / "p.json"), budget="fixed")):
-        budget, why = make_token_budget(cfg, model="kunserve-tiny", dtype="float32", layers=(0, 4), device="cpu",
-                                        threads=1)
-        assert budget == FixedTokenBudget(96) and why.startswith("fixed")
+def test_fixed_mode_or_no_profile_uses_the_fixed_budget():
+    budget, why = make_token_budget(_config(budget="fixed"), _profile(), "profile p")
+    assert budget == FixedTokenBudget(96) and why.startswith("fixed")
+    budget, why = make_token_budget(_config(), None, "fallback: engine.profile_cache is off")
+    assert budget == FixedTokenBudget(96) and why.startswith("fallback") and "fixed 96" in why
 
 
-def test_matching_profile_gives_the_slo_budget(tmp_path):
-    path = tmp_path / "p.json"
-    _write(path)
-    budget, why = make_token_budget(_config(profile=str(path), budget_headroom=0.8), model="kunserve-tiny",
-                                    dtype="float32", layers=(0, 4), device="cpu", threads=1)
-    assert isinstance(budget, SLOTokenBudget) and why.startswith("slo")
-    assert budget.model == CON and budget.target_s == pytest.approx(0.04)
-
-
-@pytest.mark.parametrize("change", [{"layers": (0, 2)}, {"threads": 2}, {"model": "other"}, {"dtype": "bfloat16"},
-                                    {"missing": True}])
-def test_mismatch_or_missing_file_falls_back_with_a_reason(tmp_path, change):
-    path = tmp_path / "p.json"
-    if not change.get("missing"):
-        _write(path)
-    args = {"model": "kunserve-tiny", "dtype": "float32", "layers": (0, 4), "device": "cpu", "threads": 1}
-    args.update({k: v for k, v in change.items() if k != "missing"})
-    budget, why = make_token_budget(_config(profile=str(path)), **args)
-    assert budget == FixedTokenBudget(96)
-    assert why.startswith("fallback") and ("no profile" in why or "does not exist" in why)
+def test_a_profile_gives_the_slo_budget_capped_at_max_num_batched_tokens():
+    budget, why = make_token_budget(_config(budget_headroom=0.8), _profile(), "profile p from f")
+    assert isinstance(budget, SLOTokenBudget) and why.startswith("slo: profile p from f")
+    assert budget.model == CON and budget.target_s == pytest.approx(0.04) and budget.max_tokens == 96
 
 
 @pytest.mark.parametrize("engine,slo", [({"budget": "slo-ish"}, {}), ({"budget_headroom": 0}, {}),
