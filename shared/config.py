@@ -128,6 +128,9 @@ class EngineSection:
     warm_staging: bool = True
     max_num_batched_tokens: int = 256  # per-iteration token budget
     max_num_seqs: int = 64
+    # ConServe: a new offline request is admitted only while this share of the KV blocks stays free (room for
+    # online arrivals without preempting offline work)
+    offline_free_watermark: float = 0.1
     threads: int = 0  # torch threads per worker; 0 = share of the cores
     # SLO-aware token budget (ConServe), on by default: with budget = "auto" a worker keeps every iteration's
     # predicted latency under budget_headroom * slo.tbt_ms (and its tokens under max_num_batched_tokens), under
@@ -370,6 +373,8 @@ def validate(cfg: ClusterConfig) -> None:
         raise ConfigError(f"{src}: engine.budget must be auto or fixed, got {e.budget!r}")
     if not 0 < e.budget_headroom <= 1:
         raise ConfigError(f"{src}: engine.budget_headroom must be in (0, 1], got {e.budget_headroom}")
+    if not 0 <= e.offline_free_watermark < 1:
+        raise ConfigError(f"{src}: engine.offline_free_watermark must be in [0, 1), got {e.offline_free_watermark}")
     if not (cfg.slo.tbt_ms > 0 and cfg.slo.ttft_ms > 0):
         raise ConfigError(f"{src}: slo.ttft_ms and slo.tbt_ms must be > 0")
     if cfg.model.dtype not in ("float32", "bfloat16", "float16"):

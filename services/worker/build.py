@@ -113,6 +113,7 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Pooled
             block_size=e.block_size, backend=memory_backend(e.memory_backend, device), device=device,
             scheduler_config=SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens,
                                              max_num_seqs=e.max_num_seqs,
+                                             offline_free_watermark=e.offline_free_watermark,
                                              preemption=overload_handling(cfg.policy.overload).preemption),
             budget=budget, keep_host_copy=e.host_copy)
     except MemoryPoolError as exc:

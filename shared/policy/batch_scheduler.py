@@ -17,11 +17,34 @@ The budget is pluggable (`TokenBudget`): the fixed `max_num_batched_tokens` (the
 SLO-aware `SLOTokenBudget` (shared/policy/token_budget.py, ConServe's k1..k5 fit), which also sizes each
 prompt chunk through the optional `chunk_limit` hook: a chunk deep into a long prompt costs more
 (attention over its prefix) than a fresh one of the same length.
+
+Request classes (ConServe §4.2, Algorithm 1). An offline request (`EngineRequest.offline`) runs on what
+online requests leave, so online ones see the same schedule as if no offline request existed:
+
+* Phase 1, an online request running or waiting: steps 1-2 above over the online requests alone; when
+  memory is short for one of them, running offline requests are preempted first (newest first), online
+  ones only after that (as above). Then offline decodes and offline prompt chunks fill what the budget
+  left: the fixed budget's remaining tokens, or under the SLO budget only tokens whose predicted iteration
+  stays under the TBT SLO (`chunk_limit`, with no progress floor: offline work never pushes an iteration
+  over the SLO). A new offline request is admitted only while no online request waits, nothing was
+  preempted this iteration and `offline_free_watermark` of the blocks stay free after its chunk: room
+  for the next online arrivals without preempting (which, by recompute, loses the offline work).
+* Phase 2, offline requests only: steps 1-2 over them under the throughput-maximising budget the budget
+  offers (`for_throughput`: the latency model picks the batch with the most tokens per second instead of
+  the TBT cap); the fixed budget stays the fixed cap.
+
+An offline request never takes memory from an online one. In phase 1 one that finds too few free blocks
+waits with its KV (Algorithm 1 stops offline scheduling when memory is short): the next online request to
+leave frees some, while preempting another offline request would throw that one's KV away. In phase 2 they
+follow the newest-first rule above among themselves. With no offline request the schedule is exactly the
+class-blind one above. Every preemption goes through `preempt`: the one place where an offline request's
+KV could be kept elsewhere (checkpointed) instead of freed.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,7 +65,12 @@ class TokenBudget(Protocol):
     Optional hook, used when present: `chunk_limit(shape, prefix, want, first=...) -> int`, the most of
     `want` tokens of a prompt chunk whose first `prefix` tokens are cached that may join a batch already
     holding `shape` (a `costmodel.BatchShape` of the chunks scheduled so far); `first`: whether it is the
-    iteration's first prompt chunk (the one that gets a progress floor)."""
+    iteration's first prompt chunk (the one that gets a progress floor).
+
+    Optional hook, used when present: `for_throughput(max_tokens) -> TokenBudget`, the budget of an
+    iteration with no online request (ConServe's offline-optimised mode): no TBT SLO binds, so it sizes the
+    batch for the most tokens per second, at most `max_tokens` tokens. Without it that iteration uses this
+    budget too."""
 
     def max_tokens_for(self, num_decodes: int, *, decode_context_tokens: int = 0) -> int: ...
 
@@ -71,6 +99,11 @@ class SchedulerConfig:
     #   "none" (queueing only): admit a request only when blocks for its whole life (prompt + max_tokens)
     #   are free beside what running requests will still grow into, so nothing is ever preempted.
     preemption: str = "recompute"
+    # A new offline request is admitted only while this fraction of the blocks stays free after its chunk (never
+    # less than admission_watermark; ignored when idle). Online arrivals then find room for their prompts at once
+    # instead of preempting offline requests, whose KV a recompute preemption throws away: a tenth of the cache
+    # holds several typical prompts, while offline decodes still grow into it.
+    offline_free_watermark: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -78,6 +111,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_prefill_chunk < 0:
             raise ValueError(f"max_prefill_chunk must be >= 0, got {self.max_prefill_chunk}")
+        if not 0 <= self.offline_free_watermark < 1:
+            raise ValueError(f"offline_free_watermark must be in [0, 1), got {self.offline_free_watermark}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption!r}")
 
@@ -145,6 +180,35 @@ class ScheduledChunk:
         return self.num_tokens == 1 and self.completes and self.start > 0
 
 
+@dataclass
+class _Batch:
+    """One iteration's batch while schedule() builds it."""
+
+    budget: int  # tokens the budget allows this iteration
+    chunk_limit: Callable[..., int] | None  # the budget's chunk_limit hook, if any
+    prompt_tokens: int | None  # a planned microbatch: exactly this many prompt tokens
+    preemptions_before: int
+    online_preemptions_before: int
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    prompts: list[ScheduledChunk] = field(default_factory=list)
+    shape: BatchShape = field(default_factory=BatchShape)  # for the latency-model budget
+    in_batch: set[int] = field(default_factory=set)
+    used: int = 0
+    prompt_used: int = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.decodes) + len(self.prompts)
+
+    def add(self, seq: Sequence, n: int, *, decode: bool) -> None:
+        (self.decodes if decode else self.prompts).append(ScheduledChunk(seq, n))
+        self.in_batch.add(id(seq))
+        self.shape.add(n, seq.num_computed)
+        self.used += n
+        if not decode:
+            self.prompt_used += n
+
+
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, config: SchedulerConfig | None = None,
                  budget: TokenBudget | None = None) -> None:
@@ -155,6 +219,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by arrival order
         self.running: list[Sequence] = []  # hold KV blocks; sorted by arrival order
         self.num_preemptions = 0
+        self.num_offline_preemptions = 0  # of num_preemptions, those of offline requests
         # Pipeline groups: sequences with a microbatch in flight (id -> count) are never preempted
         # (their KV is being written on later stages and their sampled token is still to come).
         self.pinned: dict[int, int] = {}
@@ -232,6 +297,8 @@ class Scheduler:
         self._free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        if seq.request.offline:
+            self.num_offline_preemptions += 1
         self._insert(self.waiting, seq)
 
     # -- the policy -----------------------------------------------------------------------------------
@@ -248,6 +315,15 @@ class Scheduler:
         """Tokens seq could still add with its own blocks plus every free block."""
         return seq.block_table.capacity + self.allocator.num_free * self.block_size - seq.num_computed
 
+    def _preempt_offline(self, protected: set[int]) -> bool:
+        """Preempt the most recently arrived running offline sequence that is neither in this step's batch nor
+        in flight: where an online request takes memory from first. False when there is none."""
+        for victim in reversed(self.running):
+            if victim.request.offline and id(victim) not in protected and id(victim) not in self.pinned:
+                self.preempt(victim)
+                return True
+        return False
+
     def _preempt_newest(self, newer_than: Sequence, protected: set[int]) -> bool:
         """Preempt the most recently arrived running sequence that arrived after `newer_than` and is not
         in this step's batch. False when there is none."""
@@ -258,6 +334,38 @@ class Scheduler:
                 self.preempt(victim)
                 return True
         return False
+
+    def _decode_victim(self, seq: Sequence, protected: set[int]) -> Sequence | None:
+        """Whom to preempt when decoding seq finds no free block: the newest offline request when seq is online,
+        else the newest running request, maybe seq itself; never one in flight nor one already in this step's
+        batch."""
+        candidates = [v for v in reversed(self.running)
+                      if id(v) not in self.pinned and (v is seq or id(v) not in protected)]
+        if not seq.request.offline:
+            candidates.sort(key=lambda v: not v.request.offline)  # stable: newest offline first, then newest online
+        return candidates[0] if candidates else None
+
+    def _online_present(self) -> bool:
+        return any(not s.request.offline for s in self.running) or any(not s.request.offline for s in self.waiting)
+
+    def _mode_budget(self, online: bool) -> TokenBudget:
+        """Phase 1 (an online request present): the configured budget. Phase 2 (offline only): the
+        throughput-maximising one when the budget offers it, at most max_num_batched_tokens per iteration."""
+        make = None if online else getattr(self.budget, "for_throughput", None)
+        return self.budget if make is None else make(self.config.max_num_batched_tokens)
+
+    def _keep_free(self, seq: Sequence) -> int:
+        """Blocks admitting seq must leave free: offline, the offline watermark while anything runs; online, the
+        admission watermark while an online request runs (running offline requests are preempted for it anyway).
+        Nothing when idle: a request swapped out whole must be able to come back."""
+        cfg = self.config
+        if seq.request.offline:
+            if not self.running:
+                return 0
+            return int(max(cfg.offline_free_watermark, cfg.admission_watermark) * self.allocator.num_blocks)
+        if any(not s.request.offline for s in self.running):
+            return int(cfg.admission_watermark * self.allocator.num_blocks)
+        return 0
 
     def decode_share(self, num_microbatches: int) -> int:
         """The most decodes one of `num_microbatches` microbatches in flight should carry: the decoding
@@ -272,68 +380,91 @@ class Scheduler:
 
     def prompt_work(self) -> list[WorkItem]:
         """The prompt tokens schedule() would chunk, in the order it takes them: partly prefilled running
-        sequences, then the waiting ones (a swapped-out one from its saved KV on). What a pipeline group's head
-        plans its lookahead microbatches over."""
-        out = [WorkItem(s.request_id, s.remaining, s.num_computed) for s in self.running if s.remaining > 1]
+        sequences, then the waiting ones (a swapped-out one from its saved KV on), online ones before offline
+        ones while an online request is present. What a pipeline group's head plans its lookahead microbatches
+        over."""
+        work = [(s, WorkItem(s.request_id, s.remaining, s.num_computed)) for s in self.running if s.remaining > 1]
         for s in self.waiting:
             done = s.swapped_tokens if s.swapped is not None else s.num_computed
             if len(s.tokens) > done:
-                out.append(WorkItem(s.request_id, len(s.tokens) - done, done))
-        return out
+                work.append((s, WorkItem(s.request_id, len(s.tokens) - done, done)))
+        if self._online_present():
+            work.sort(key=lambda sw: sw[0].request.offline)
+        return [item for _, item in work]
 
     def schedule(self, max_decodes: int | None = None, prompt_tokens: int | None = None) -> list[ScheduledChunk]:
         """Pick this iteration's work and reserve its KV blocks. Decodes come first in the result, at most
-        `max_decodes` of them (the oldest; None: every one). `prompt_tokens`: the prompt chunks take exactly
-        this many tokens (a planned microbatch: the budget's chunk sizing does not apply) unless memory or
-        max_num_seqs stops them first; None: what the budget leaves after the decodes."""
-        cfg = self.config
-        out: list[ScheduledChunk] = []
-        decodes = [s for s in self.running if s.remaining == 1]
+        `max_decodes` of them (the oldest, online ones first; None: every one). `prompt_tokens`: the prompt
+        chunks take exactly this many tokens (a planned microbatch: the budget's chunk sizing does not apply)
+        unless memory or max_num_seqs stops them first; None: what the budget leaves after the decodes."""
+        online = self._online_present()
+        policy = self._mode_budget(online)
+        decodes = [s for s in self.running if s.remaining == 1 and not (online and s.request.offline)]
         if max_decodes is not None:
             decodes = decodes[:max_decodes]
-        budget = self.budget.max_tokens_for(len(decodes),
-                                            decode_context_tokens=sum(len(s.tokens) for s in decodes))
-        chunk_limit = getattr(self.budget, "chunk_limit", None)
-        shape = BatchShape()  # what this step holds so far, for the latency-model budget
-        used = 0
-        in_batch: set[int] = set()
-        preemptions_before = self.num_preemptions
-        # 1. decodes, oldest first; when blocks run out preempt the newest running request (maybe itself).
+        batch = _Batch(policy.max_tokens_for(len(decodes), decode_context_tokens=sum(len(s.tokens) for s in decodes)),
+                       getattr(policy, "chunk_limit", None), prompt_tokens, self.num_preemptions,
+                       self.num_preemptions - self.num_offline_preemptions)
+        # the online requests (phase 1), or every request when none is online (phase 2, the throughput budget)
+        self._schedule_decodes(batch, decodes, fill=False)
+        partial = [s for s in self.running
+                   if id(s) not in batch.in_batch and s.remaining > 1 and not (online and s.request.offline)]
+        self._schedule_prompts(batch, partial + [s for s in self.waiting if not (online and s.request.offline)],
+                               fill=False)
+        if online:  # Phase 1: offline work fills what the online requests left
+            off = [s for s in self.running if s.request.offline and s.remaining == 1]
+            if max_decodes is not None:
+                off = off[:max(0, max_decodes - len(decodes))]
+            self._schedule_decodes(batch, off, fill=True)
+            partial = [s for s in self.running if s.request.offline and id(s) not in batch.in_batch and s.remaining > 1]
+            self._schedule_prompts(batch, partial + [s for s in self.waiting if s.request.offline], fill=True)
+        return batch.decodes + batch.prompts
+
+    def _schedule_decodes(self, batch: _Batch, decodes: list[Sequence], *, fill: bool) -> None:
+        """One token each, oldest first; when blocks run out preempt (see _decode_victim), maybe seq itself.
+        `fill`: offline decodes filling what online requests left: under the SLO budget only while the predicted
+        iteration stays under the SLO, and when memory is short they stop (Algorithm 1): a paused offline request
+        keeps its KV for when an online request leaves, instead of throwing another one's away."""
+        cfg = self.config
         for seq in decodes:
             if seq.num_computed == 0:
                 continue  # preempted below to make room for an older one
-            if used >= budget or len(out) >= cfg.max_num_seqs:
+            if batch.used >= batch.budget or batch.count >= cfg.max_num_seqs:
                 break
+            if fill:
+                if batch.chunk_limit is not None and batch.chunk_limit(batch.shape, seq.num_computed, 1, first=False) < 1:
+                    break
+                if not self._reserve(seq, 1):
+                    break
+                batch.add(seq, 1, decode=True)
+                continue
             while not self._reserve(seq, 1):
-                # newest first; never one in flight (pinned) nor one already in this step's batch
-                victim = next((v for v in reversed(self.running)
-                               if id(v) not in self.pinned and (v is seq or id(v) not in in_batch)), None)
+                victim = self._decode_victim(seq, batch.in_batch)
                 if victim is None:
                     break  # everything newer is in flight: this decode waits for a result
                 self.preempt(victim)
                 if victim is seq:
                     break
             else:
-                out.append(ScheduledChunk(seq, 1))
-                in_batch.add(id(seq))
-                shape.add(1, seq.num_computed)
-                used += 1
-        # 2. prompt chunks in arrival order: partially prefilled running sequences first, then waiting ones
-        #    (not after a preemption in this step: memory is short, re-admitting would only thrash).
-        num_decodes_in_batch = len(out)
-        if prompt_tokens is not None:
-            budget = used + prompt_tokens
-            chunk_limit = None
-        partial = [s for s in self.running if id(s) not in in_batch and s.remaining > 1]
-        for seq in partial + list(self.waiting):
-            if used >= budget or len(out) >= cfg.max_num_seqs:
+                batch.add(seq, 1, decode=True)
+
+    def _schedule_prompts(self, batch: _Batch, seqs: list[Sequence], *, fill: bool) -> None:
+        """Prompt chunks in the given order (partially prefilled running sequences, then waiting ones); FCFS: one
+        that cannot go on stops the later ones. `fill`: offline chunks filling what online requests left: no
+        progress floor, and only free blocks (they preempt nothing)."""
+        cfg = self.config
+        for seq in seqs:
+            left = batch.budget - batch.used if batch.prompt_tokens is None else batch.prompt_tokens - batch.prompt_used
+            if left <= 0 or batch.count >= cfg.max_num_seqs:
                 break
             admitting = seq.num_computed == 0 and not seq.block_table
-            if admitting and self.num_preemptions != preemptions_before:
+            if admitting and not self._may_admit(seq, batch):
                 break
-            if admitting and cfg.preemption == "none" and not self._fits_whole_life(seq):
-                break  # FCFS: it waits until its whole KV fits; nothing is ever preempted
             if admitting and seq.swapped is not None:
+                if not seq.request.offline:
+                    need = blocks_needed(seq.swapped_tokens, self.block_size) + self._keep_free(seq)
+                    while self.allocator.num_free < need and self._preempt_offline(batch.in_batch):
+                        pass
                 if not self._swap_in(seq):
                     break
                 admitting = False
@@ -341,18 +472,25 @@ class Scheduler:
                 self._insert(self.running, seq)
                 if seq.remaining <= 0:
                     continue
-            n = min(seq.remaining, budget - used)
+            n = min(seq.remaining, left)
             if cfg.max_prefill_chunk:
                 n = min(n, cfg.max_prefill_chunk)
-            if chunk_limit is not None and n > 0:
-                n = min(n, chunk_limit(shape, seq.num_computed, n, first=len(out) == num_decodes_in_batch))
-            if not admitting:
-                # a running sequence may take blocks from newer running ones that are not in this batch
-                while self._room(seq) < n and self._preempt_newest(seq, in_batch):
+            if batch.chunk_limit is not None and batch.prompt_tokens is None and n > 0:
+                n = min(n, batch.chunk_limit(batch.shape, seq.num_computed, n, first=not fill and not batch.prompts))
+            if not admitting and not fill:
+                # a running sequence may take blocks from ones that are not in this batch: an online one from
+                # offline ones first, then from newer ones
+                while self._room(seq) < n and ((not seq.request.offline and self._preempt_offline(batch.in_batch))
+                                               or self._preempt_newest(seq, batch.in_batch)):
+                    pass
+            elif admitting and not seq.request.offline:
+                keep_free = self._keep_free(seq)
+                while (self.allocator.num_free - seq.block_table.extra_blocks_for(n) < keep_free
+                       and self._preempt_offline(batch.in_batch)):
                     pass
             n = min(n, self._room(seq))
-            if admitting and self.running:
-                keep_free = int(cfg.admission_watermark * self.allocator.num_blocks)
+            if admitting:
+                keep_free = self._keep_free(seq)
                 spare = self.allocator.num_free - seq.block_table.extra_blocks_for(n)
                 if spare < keep_free:
                     n = min(n, max(0, (self.allocator.num_free - keep_free) * self.block_size))
@@ -362,11 +500,18 @@ class Scheduler:
             if admitting:
                 self.waiting.remove(seq)
                 self._insert(self.running, seq)
-            out.append(ScheduledChunk(seq, n))
-            in_batch.add(id(seq))
-            shape.add(n, seq.num_computed)
-            used += n
-        return out
+            batch.add(seq, n, decode=False)
+
+    def _may_admit(self, seq: Sequence, batch: _Batch) -> bool:
+        """Whether a waiting seq may start now. Not after a preemption in this step (memory is short, admitting
+        would only thrash): for an online seq a preemption of an online one, for an offline seq any, and an
+        offline seq also not while an online request waits. Queue-only admission: when its whole life fits."""
+        if seq.request.offline:
+            if self.num_preemptions != batch.preemptions_before or any(not s.request.offline for s in self.waiting):
+                return False
+        elif self.num_preemptions - self.num_offline_preemptions != batch.online_preemptions_before:
+            return False
+        return self.config.preemption != "none" or self._fits_whole_life(seq)
 
     def _life_blocks(self, seq: Sequence) -> int:
         r = seq.request
@@ -380,8 +525,7 @@ class Scheduler:
     def _swap_in(self, seq: Sequence) -> bool:
         """Re-admit a swapped-out sequence: blocks for its saved KV, copied back from host memory."""
         need = blocks_needed(seq.swapped_tokens, self.block_size)
-        keep_free = int(self.config.admission_watermark * self.allocator.num_blocks) if self.running else 0
-        if need + keep_free > self.allocator.num_free:
+        if need + self._keep_free(seq) > self.allocator.num_free:
             return False
         seq.block_table.extend(self.allocator.allocate(need))
         assert self.swapper is not None

@@ -17,12 +17,17 @@ alone use the SLO up) and decodes are never refused. `max_tokens` bounds every i
 memory of one step's activations). KV capacity is the scheduler's business: it caps every chunk by
 the free blocks after asking the budget.
 
+With no online request present (ConServe's offline-optimised mode) the scheduler asks `for_throughput`
+instead: a `ThroughputTokenBudget` over the same model that sizes every chunk for the most tokens per
+predicted second rather than under the TBT SLO.
+
 Without a profile the worker uses `FixedTokenBudget(max_num_batched_tokens)`: vLLM's fixed cap, the
 documented conservative default (256 tokens in configs/cluster.toml).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -85,6 +90,71 @@ class SLOTokenBudget:
         decodes (a one-token *prompt* chunk looks the same, which is why the scheduler says)."""
         want = min(want, max(0, self.max_tokens - shape.tokens))
         n = self._largest(shape, prefix, want)
+        if first if first is not None else shape.num_chunks == shape.tokens:
+            n = max(n, min(self.min_chunk_tokens, want))
+        return n
+
+    def for_throughput(self, max_tokens: int) -> ThroughputTokenBudget:
+        """The budget of an iteration with no online request: no TBT SLO binds, the model picks the batch with
+        the most tokens per second, at most max_tokens (and this budget's max_tokens) per iteration."""
+        return ThroughputTokenBudget(self.model, min(max_tokens, self.max_tokens), self.min_chunk_tokens)
+
+
+@dataclass(frozen=True)
+class ThroughputTokenBudget:
+    """Offline-optimised mode (ConServe §4.2): each prompt chunk takes the token count that maximises the
+    batch's tokens per predicted second, the largest one on ties, up to `max_tokens` per iteration.
+
+    Why neither "as many as fit" nor a fixed chunk: under ConServe's model an iteration pays a constant k5
+    that more tokens amortise, but the attention term grows with the square of a chunk, so past some size a
+    chunk costs more per token than it saves; a second chunk of another request (attention never crosses
+    sequences) then raises throughput more than growing the first one. Added chunk by chunk, the batch's rate
+    never drops. With a linear model (k2 = 0) every chunk takes all it may: the cap. The first prompt chunk
+    keeps the progress floor, decodes are never refused (as in SLOTokenBudget)."""
+
+    model: LatencyModel
+    max_tokens: int
+    min_chunk_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0 or self.min_chunk_tokens < 0:
+            raise ValueError("max_tokens must be > 0 and min_chunk_tokens >= 0")
+
+    def rate(self, shape: BatchShape) -> float:
+        """Predicted tokens per second of a batch (0 for an empty one)."""
+        if shape.tokens <= 0:
+            return 0.0
+        cost = self.model.shape_cost(shape)
+        return shape.tokens / cost if cost > 0 else math.inf
+
+    def _best(self, shape: BatchShape, prefix: int, hi: int) -> int:
+        """The largest n in [0, hi] maximising rate(shape + (n, prefix)). For n >= 1 the rate is (T + n) / cost(n)
+        with the cost convex in n, hence unimodal: binary search for the first step that lowers it. The first token
+        also pays for reading the chunk's cached prefix, so n = 0 (no chunk) is compared on its own."""
+        if hi <= 0:
+            return 0
+
+        def rate(n: int) -> float:
+            return self.rate(shape.with_chunk(n, prefix))
+
+        lo, top = 1, hi  # the peak is in [lo, top]: every step below lo rises (up to rounding)
+        while lo < top:
+            mid = (lo + top) // 2
+            if rate(mid + 1) >= rate(mid) * (1 - 1e-12):
+                lo = mid + 1
+            else:
+                top = mid
+        return lo if rate(lo) >= rate(0) else 0
+
+    def max_tokens_for(self, num_decodes: int, *, decode_context_tokens: int = 0) -> int:
+        return max(num_decodes, self.max_tokens)
+
+    def chunk_limit(self, shape: BatchShape, prefix: int, want: int, *, first: bool | None = None) -> int:
+        """Tokens (<= want) of a prompt chunk with `prefix` cached tokens that may join `shape`: the count that
+        maximises the batch's predicted tokens per second; the iteration's first prompt chunk at least the
+        progress floor. `first` as in SLOTokenBudget.chunk_limit."""
+        want = min(want, max(0, self.max_tokens - shape.tokens))
+        n = self._best(shape, prefix, want)
         if first if first is not None else shape.num_chunks == shape.tokens:
             n = max(n, min(self.min_chunk_tokens, want))
         return n

@@ -7,6 +7,7 @@ do not depend on the thread count anyway.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -62,7 +63,7 @@ MID_DECODE_REQS = [
 
 def clone(r: EngineRequest) -> EngineRequest:
     """A fresh copy of a request (an engine owns the requests it is given)."""
-    return EngineRequest(r.request_id, list(r.prompt_token_ids), r.sampling, r.arrival_time)
+    return dataclasses.replace(r, prompt_token_ids=list(r.prompt_token_ids))
 
 
 def run_until_mid_decode(eng: Engine, reqs: list[EngineRequest], steps: int = 12) -> dict[str, list[int]]:
