@@ -263,8 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _register_extra_commands(sub) -> None:
     """Later subcommands (bench, profile) register here without touching the core parser."""
-    from kunserve.cli import bench, export_model, profile
+    from kunserve.cli import batch, bench, export_model, profile
 
+    batch.register(sub)
     profile.register(sub)
     bench.add_bench_parser(sub)
     export_model.register(sub)

@@ -1,4 +1,4 @@
-"""`kunserve-dispatcher`: the client-facing process (Generate / Cancel)."""
+"""`kunserve-dispatcher`: the client-facing process (Generate / Cancel, and the offline batches)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import dataclasses
 import sys
 
 from kunserve.services.common import load_service_config, load_service_credentials, service_arg_parser
+from kunserve.services.dispatcher.batch_http import BatchRoutes
+from kunserve.services.dispatcher.batch_runner import BatchRunner, OpenAIItems, body_checker
+from kunserve.services.dispatcher.batch_service import Batches, BatchesServicer
+from kunserve.services.dispatcher.batch_store import BatchStore
 from kunserve.services.dispatcher.http_front import HttpFront, ssl_context_of
 from kunserve.services.dispatcher.limits import limits_from_config
 from kunserve.services.dispatcher.servicer import DispatcherServicer, WorkerPool
@@ -17,7 +21,7 @@ from kunserve.shared.model.architecture import TINY_CONFIG
 from kunserve.shared.model.chat_template import ChatTemplateError, chat_template_for
 from kunserve.shared.model.generation_config import load_generation_defaults
 from kunserve.shared.model.tokenizer import load_tokenizer
-from kunserve.v1 import generation_pb2_grpc
+from kunserve.v1 import batch_pb2_grpc, generation_pb2_grpc
 
 ROUTER_POLL_INTERVAL_S = 0.1
 WORKER_WAIT_S = 60.0  # at start-up, wait this long for every worker before reporting SERVING
@@ -73,14 +77,21 @@ def main(argv: list[str] | None = None) -> None:
         front = HttpFront(servicer, served_model=cfg.model.served_model, model_root=cfg.model.path or "embedded",
                           chat_template=chat_template, chat_template_error=chat_error, api_key=creds.api_key,
                           max_body_bytes=limits.max_message_bytes)
+        store = BatchStore(cfg.dispatcher.batch_db)
+        runner = BatchRunner(store, OpenAIItems(front, servicer), concurrency=cfg.dispatcher.batch_concurrency)
+        batches = Batches(store, runner, max_bytes=cfg.dispatcher.batch_max_bytes,
+                          max_requests=cfg.dispatcher.batch_max_requests, check_body=body_checker(cfg.model.served_model))
+        front.batch_routes = BatchRoutes(batches, cfg.model.served_model)
 
         def register(server) -> None:
             generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+            batch_pb2_grpc.add_BatchesServicer_to_server(BatchesServicer(batches), server)
 
         async def started() -> None:
             healthy = await pool.wait_for_workers(WORKER_WAIT_S)
             log.info("workers_reachable", healthy=healthy, configured=len(cfg.workers))
             tasks.append(asyncio.create_task(pool.poll_forever(ROUTER_POLL_INTERVAL_S)))
+            runner.start()  # resumes the batches that were in progress when the dispatcher last stopped
             if cfg.dispatcher.http_port:  # listening before the health check says SERVING
                 host, port = cfg.dispatcher.http_bind
                 tls = ssl_context_of(creds.tls.cert_chain, creds.tls.private_key) if creds.tls is not None else None
@@ -91,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                     raise SystemExit(f"dispatcher: cannot listen on {host}:{port} (dispatcher.http_port): {exc}") from None
 
         async def stopping() -> None:
+            await runner.stop()  # first: its running requests stay pending (they run again after a restart)
             await servicer.shutdown()  # refuses new requests from here on, ends the in-flight ones
             for t in tasks:
                 t.cancel()
@@ -100,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                               on_started=started, on_shutdown=stopping, auth=dispatcher_rules(creds), tls=creds.tls,
                               options=limits.server_options())
         await pool.close()
+        store.close()
 
     rpc.run(amain)
 

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP front: /v1/completions, /v1/chat/completions, /v1/models, /health, /version.
+"""The OpenAI-compatible HTTP front: /v1/completions, /v1/chat/completions, /v1/models, /health, /version (and the
+batch API's /v1/files and /v1/batches, batch_http.py).
 
 It runs in the dispatcher's process and event loop and drives the same request lifecycle as the gRPC API
 (DispatcherServicer.open / events): routing, admission, resume after a worker failure and re-attach after a
@@ -30,6 +31,7 @@ from aiohttp import web
 
 from kunserve import __version__
 from kunserve.services.dispatcher import openai_api as oa
+from kunserve.services.dispatcher.batch_http import BatchRoutes
 from kunserve.services.dispatcher.servicer import DispatcherServicer, RequestError
 from kunserve.shared.log import get_logger
 from kunserve.shared.model.chat_template import ChatTemplate, ChatTemplateError
@@ -69,6 +71,7 @@ class HttpFront:
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.log = get_logger()
+        self.batch_routes: BatchRoutes | None = None  # /v1/files and /v1/batches, when the dispatcher runs batches
         self._runner: web.AppRunner | None = None
 
     # -- the application -----------------------------------------------------------------------------
@@ -79,6 +82,8 @@ class HttpFront:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
+        if self.batch_routes is not None:
+            self.batch_routes.add_to(app)
         return app
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
@@ -166,21 +171,28 @@ class HttpFront:
                               param="messages")
         return list(self.servicer.tokenizer.encode_chat(text))
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = oa.parse_completion(await self._body(request), self.served_model, self._request_id(request))
-        return await self._generate(request, req)
-
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+    def openai_request(self, chat: bool, body: Any, request_id: str | None) -> oa.OpenAIRequest:
+        """A /v1/chat/completions (`chat`) or /v1/completions body as the dispatcher's request (raises
+        oa.ApiError): the endpoints and the offline batch runner's requests go through this one path."""
+        if not chat:
+            return oa.parse_completion(body, self.served_model, request_id)
         if self.servicer.tokenizer is None:
             raise oa.ApiError(400, "the served model has no tokenizer, so it cannot chat; use /v1/completions "
                                    "with a list of token ids", param="messages")
-        req = oa.parse_chat(body, self.served_model, self._render_chat, self._request_id(request))
+        req = oa.parse_chat(body, self.served_model, self._render_chat, request_id)
         sampling = req.generate.sampling
         if not sampling.HasField("max_tokens") and self.servicer.generation.max_new_tokens is None:
             # a chat without a bound may use the rest of the context (the model's EOS ends it before), as vLLM does
             sampling.max_tokens = max(1, self.servicer.limits.context_len - len(req.generate.token_ids.ids))
-        return await self._generate(request, req)
+        return req
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, self.openai_request(False, await self._body(request),
+                                                                 self._request_id(request)))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        return await self._generate(request, self.openai_request(True, body, self._request_id(request)))
 
     def _owner(self, request: web.Request) -> str:
         """As the gRPC API's: the hashed credential, else the connection."""
@@ -204,20 +216,20 @@ class HttpFront:
         tok = self.servicer.tokenizer
         return tok.decode([token_id]) if tok is not None else ""
 
-    async def _whole(self, req: oa.OpenAIRequest, events: Any) -> web.Response:
-        texts: list[str] = []
-        got: list[generation_pb2.GenerateEvent] = []
-        try:
-            async for ev in events:
-                got.append(ev)
-                texts.append(ev.text)
-        except RequestError as exc:
-            raise oa.error_from_status(exc.code, exc.message, exc.retry_after_ms, chat=req.chat) from None
+    async def whole(self, req: oa.OpenAIRequest, events: Any) -> dict[str, Any]:
+        """The non-streamed answer's body, from the request's events (raises RequestError)."""
+        got: list[generation_pb2.GenerateEvent] = [ev async for ev in events]
         last = got[-1]
         completion = sum(1 for e in got if e.token_id >= 0)
         logprobs = oa.LogprobsBuilder(req.chat, self._token_text).of(got) if req.logprobs is not None else None
-        return web.json_response(oa.full_response(req, self.served_model, "".join(texts), oa.finish_reason(last),
-                                                  logprobs, last.num_prompt_tokens, completion))
+        return oa.full_response(req, self.served_model, "".join(e.text for e in got), oa.finish_reason(last),
+                                logprobs, last.num_prompt_tokens, completion)
+
+    async def _whole(self, req: oa.OpenAIRequest, events: Any) -> web.Response:
+        try:
+            return web.json_response(await self.whole(req, events))
+        except RequestError as exc:
+            raise oa.error_from_status(exc.code, exc.message, exc.retry_after_ms, chat=req.chat) from None
 
     async def _stream(self, request: web.Request, req: oa.OpenAIRequest, events: Any) -> web.StreamResponse:
         lp = oa.LogprobsBuilder(req.chat, self._token_text) if req.logprobs is not None else None
