@@ -131,6 +131,9 @@ class EngineSection:
     # ConServe: a new offline request is admitted only while this share of the KV blocks stays free (room for
     # online arrivals without preempting offline work)
     offline_free_watermark: float = 0.1
+    # ConServe's layer-wise preemption: a whole instance's forward pass checks for an online arrival that would
+    # miss slo.ttft_ms every this many layers and then finishes the iteration without its offline rows; 0 = off
+    safepoint_layers: int = 1
     threads: int = 0  # torch threads per worker; 0 = share of the cores
     # SLO-aware token budget (ConServe), on by default: with budget = "auto" a worker keeps every iteration's
     # predicted latency under budget_headroom * slo.tbt_ms (and its tokens under max_num_batched_tokens), under
@@ -373,6 +376,8 @@ def validate(cfg: ClusterConfig) -> None:
         raise ConfigError(f"{src}: engine.budget must be auto or fixed, got {e.budget!r}")
     if not 0 < e.budget_headroom <= 1:
         raise ConfigError(f"{src}: engine.budget_headroom must be in (0, 1], got {e.budget_headroom}")
+    if e.safepoint_layers < 0:
+        raise ConfigError(f"{src}: engine.safepoint_layers must be >= 0 (0 = off), got {e.safepoint_layers}")
     if not 0 <= e.offline_free_watermark < 1:
         raise ConfigError(f"{src}: engine.offline_free_watermark must be in [0, 1), got {e.offline_free_watermark}")
     if not (cfg.slo.tbt_ms > 0 and cfg.slo.ttft_ms > 0):

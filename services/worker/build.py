@@ -123,6 +123,7 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Pooled
     log = get_logger()
     (log.warning if why.startswith("fallback") else log.info)("token_budget", budget=why)
     instance.engine.former, why = make_microbatch_former(cfg, prof, found)
+    instance.engine.enable_layerwise_preemption(e.safepoint_layers, cfg.slo.ttft_ms / 1e3)
     (log.warning if why.startswith("fallback") else log.info)("pipeline_microbatches", microbatches=why)
     loop = EngineLoop(instance.engine, num_threads=threads)
     identity = WorkerIdentity(

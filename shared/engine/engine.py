@@ -21,7 +21,9 @@ waiting for its later stages' results is not busy; a later stage is busy while i
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
+import threading
 import time
 from collections.abc import Iterable
 from typing import Protocol
@@ -34,12 +36,17 @@ from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable, blocks_
 from kunserve.shared.engine.kv_landing import KVLanding
 from kunserve.shared.engine.kv_storage import KVStorage, TorchKVStorage
 from kunserve.shared.engine.model_runner import ModelRunner
+from kunserve.shared.engine.safepoint import Safepoint
 from kunserve.shared.engine.sampler import ChosenLogprobs, sample_rows, token_logprobs
 from kunserve.shared.engine.stage_wire import StageBatch
 from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.weights import Weights
 from kunserve.shared.policy.batch_scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence, TokenBudget
+from kunserve.shared.policy.costmodel import BatchShape
+from kunserve.shared.policy.group_latency import GroupLatencyModel
+from kunserve.shared.policy.layerwise_preemption import IterationInFlight, should_preempt
 from kunserve.shared.policy.microbatch import DecodeSplit, Microbatch, MicrobatchFormer, MicroChunk
+from kunserve.shared.policy.token_budget import SLOTokenBudget
 
 __all__ = ["Engine", "SchedulerConfig", "PipelineLink", "GroupBroken", "NotServing"]
 
@@ -67,6 +74,17 @@ class PipelineLink(Protocol):
     def result(self, mb_id: int, block: bool) -> torch.Tensor | None:
         """Logits of batch mb_id from the last stage; None when not there yet and not block. Raises
         GroupBroken when a stage is lost or the wait times out."""
+
+
+@dataclasses.dataclass
+class _Shipped:
+    """A microbatch a group head shipped and awaits the logits of."""
+
+    mb_id: int
+    chunks: list[ScheduledChunk]
+    sampled: list[ScheduledChunk]
+    sent_at: float  # perf_counter() when shipped
+    shape: BatchShape  # for the group's measured step (group_latency.py)
 
 
 class Engine:
@@ -111,7 +129,11 @@ class Engine:
         # is shared by every member, so it is capped at the smallest member's capacity (kv_limit).
         self.link: PipelineLink | None = None
         self.kv_limit: int | None = None
-        self._inflight: collections.deque[tuple[int, list[ScheduledChunk], list[ScheduledChunk]]] = collections.deque()
+        self._inflight: collections.deque[_Shipped] = collections.deque()
+        # ConServe's budget in a group: the whole-instance budget, kept while this engine heads a group whose
+        # measured step (group_latency.py) budgets its microbatches instead.
+        self._whole_budget: TokenBudget | None = None
+        self._group_latency: GroupLatencyModel | None = None
         # How the head cuts a long queue into microbatches (KunServe §4.3); None: the scheduler's token chunking.
         # The worker sets it from engine.lookahead and its cost-model profile (services/worker/build.py).
         self.former: MicrobatchFormer | None = None
@@ -124,6 +146,13 @@ class Engine:
         self._held: dict[str, Sequence] = {}
         self._held_aborted: dict[str, list[int]] = {}
         self._stage_block_high = 0  # a later stage: one past the highest block id the head had it write
+        # Layer-wise preemption (ConServe §4.3, safepoint.py): off until enable_layerwise_preemption. The
+        # iteration in flight is published for the arrival check, which may raise the flag from another thread.
+        self.safepoint_every = 0
+        self.preemption_ttft_s = 0.0
+        self.preempt_offline = threading.Event()
+        self.in_flight: IterationInFlight | None = None
+        self.layerwise_preemptions = 0
 
     # -- requests -------------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -185,7 +214,7 @@ class Engine:
         if not chunks:
             return []
         try:
-            logits, sampled = self._forward(chunks)
+            logits, sampled, chunks = self._forward(chunks)
         except Exception as exc:  # a fault computing this batch: its requests fail, the engine goes on
             return self._fail_batch(chunks, exc)
         self.consecutive_failed_steps = 0
@@ -270,19 +299,86 @@ class Engine:
         self._mb_counter += 1
         return StageBatch(self._mb_counter, positions, slot_b, slot_o, decodes, prefills, rows), ids, sampled
 
-    def _run_local(self, batch: StageBatch, inputs: torch.Tensor) -> torch.Tensor:
+    def _run_local(self, batch: StageBatch, inputs: torch.Tensor, safepoint: Safepoint | None = None) -> torch.Tensor:
         """This engine's layers over the batch, from token ids (first layer) or the previous stage's hidden
         states: logits of batch.rows (last layer) or hidden states for the next stage. Every member of a
         group and a whole instance compute through here."""
         dev = self.device
-        return self.runner.forward(inputs.to(dev), batch.positions_tensor(dev), self.kv,
-                                   batch.metadata(self.block_size, dev),
-                                   batch.rows_tensor(dev) if self.runner.is_last else None)
+        args = (inputs.to(dev), batch.positions_tensor(dev), self.kv, batch.metadata(self.block_size, dev),
+                batch.rows_tensor(dev) if self.runner.is_last else None)
+        return self.runner.forward(*args) if safepoint is None else self.runner.forward(*args, safepoint=safepoint)
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Run the flat token batch of this step; logits [len(sampled), vocab] for the completing chunks."""
+    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk], list[ScheduledChunk]]:
+        """Run the flat token batch of this step: logits [len(sampled), vocab] for the completing chunks, those
+        chunks, and the chunks computed (all of them, or the online ones when a safepoint dropped the offline
+        rows: those are scheduled again from where they were)."""
         batch, ids, sampled = self._build(chunks)
-        return self._run_local(batch, torch.tensor(ids, dtype=torch.long)).cpu(), sampled
+        cut = self._safepoint(chunks) if self.safepoint_every else None
+        if cut is None:
+            return self._run_local(batch, torch.tensor(ids, dtype=torch.long)).cpu(), sampled, chunks
+        safepoint, online, online_sampled = cut
+        self.preempt_offline.clear()
+        self.in_flight = IterationInFlight(time.monotonic(), self._predict(chunks), len(ids) - len(safepoint.keep),
+                                           len(safepoint.keep))
+        try:
+            logits = self._run_local(batch, torch.tensor(ids, dtype=torch.long), safepoint).cpu()
+        finally:
+            self.in_flight = None
+        if safepoint.fired_before is None:
+            return logits, sampled, chunks
+        self.layerwise_preemptions += 1
+        return logits, online_sampled, online
+
+    # -- layer-wise preemption (ConServe §4.3) -----------------------------------------------------------
+    def enable_layerwise_preemption(self, every: int, ttft_s: float) -> None:
+        """Safepoints every `every` layers of a whole instance's forward pass; an online arrival that would miss
+        `ttft_s` waiting for the iteration in flight drops its offline rows (0 = off)."""
+        if every < 0 or ttft_s <= 0:
+            raise ValueError(f"every must be >= 0 and ttft_s > 0, got {every}, {ttft_s}")
+        self.safepoint_every = every
+        self.preemption_ttft_s = ttft_s
+
+    def online_arrived(self, prompt_tokens: int) -> bool:
+        """Algorithm 2, for an online request of `prompt_tokens` that just arrived: raise the preemption flag when
+        waiting for the iteration in flight would miss the TTFT SLO. Safe from any thread: it reads the published
+        iteration and sets an Event. Returns whether it raised the flag."""
+        it = self.in_flight
+        if not self.safepoint_every or it is None:
+            return False
+        prefill = self._predict_shape(BatchShape.of([(max(1, prompt_tokens), 0)]))
+        if not should_preempt(time.monotonic(), it, prefill, self.preemption_ttft_s):
+            return False
+        self.preempt_offline.set()
+        return True
+
+    def _safepoint(self, chunks: list[ScheduledChunk]
+                   ) -> tuple[Safepoint, list[ScheduledChunk], list[ScheduledChunk]] | None:
+        """The safepoint of a batch that mixes in offline rows: what goes on without them (their rows, positions,
+        metadata and logit rows, built now so the cut costs one index), the online chunks and those sampled.
+        None for a batch without offline rows (nothing to cut) or a pipeline group's (not cut: the later stages
+        run the microbatch as shipped)."""
+        if self.link is not None or not any(c.seq.request.offline for c in chunks):
+            return None
+        online = [c for c in chunks if not c.seq.request.offline]
+        keep: list[int] = []
+        row = 0
+        for c in chunks:
+            if not c.seq.request.offline:
+                keep.extend(range(row, row + c.num_tokens))
+            row += c.num_tokens
+        batch, _, sampled = self._build(online)
+        dev = self.device
+        rows = batch.rows_tensor(dev) if self.runner.is_last else None
+        return (Safepoint(self.safepoint_every, self.preempt_offline, torch.tensor(keep, dtype=torch.long, device=dev),
+                          batch.positions_tensor(dev), batch.metadata(self.block_size, dev), rows), online, sampled)
+
+    def _predict(self, chunks: list[ScheduledChunk]) -> float:
+        return self._predict_shape(BatchShape.of((c.num_tokens, c.start) for c in chunks))
+
+    def _predict_shape(self, shape: BatchShape) -> float:
+        """The budget's latency model's prediction (0: the budget has none, e.g. the fixed one)."""
+        model = getattr(self.scheduler.budget, "model", None)
+        return model.shape_cost(shape) if model is not None else 0.0
 
     def forward_stage(self, batch: StageBatch, hidden: torch.Tensor) -> torch.Tensor:
         """A later stage of a pipeline group runs its part of the head's microbatch: its layers over its own
@@ -320,7 +416,8 @@ class Engine:
                         self.prompt_tokens_total += len(seq.request.prompt_token_ids)
                     seq.num_computed = chunk.start + chunk.num_tokens
                     self.scheduler.pin(seq)
-                self._inflight.append((batch.mb_id, chunks, sampled))
+                self._inflight.append(_Shipped(batch.mb_id, chunks, sampled, time.perf_counter(),
+                                               BatchShape.of((c.num_tokens, c.start) for c in chunks)))
                 shipped = True
         if shipped:
             return self._collect(link, block=False)
@@ -367,10 +464,13 @@ class Engine:
         """Results of the microbatches in flight, oldest first; waits for the first one when block."""
         events: list[TokenEvent] = []
         while self._inflight:
-            logits = link.result(self._inflight[0][0], block=block and not events)
+            logits = link.result(self._inflight[0].mb_id, block=block and not events)
             if logits is None:
                 break
-            _, chunks, sampled = self._inflight.popleft()
+            shipped = self._inflight.popleft()
+            if self._group_latency is not None:
+                self._group_latency.observe(shipped.shape, time.perf_counter() - shipped.sent_at)
+            chunks, sampled = shipped.chunks, shipped.sampled
             for chunk in chunks:
                 self.scheduler.unpin(chunk.seq)
             live = [i for i, c in enumerate(sampled) if self.seqs.get(c.seq.request_id) is c.seq]  # not aborted
@@ -583,11 +683,27 @@ class Engine:
         self.preempt_all()
         self.link = None
         self.kv_limit = None
+        self._budget_for(None)
+
+    def _budget_for(self, link: PipelineLink | None) -> None:
+        """A group head budgets its microbatches under its group's measured step (group_latency.py) when its
+        budget has a latency model (ConServe's); anything else keeps the whole instance's budget."""
+        if self._whole_budget is not None:
+            self.scheduler.use_budget(self._whole_budget)
+            self._whole_budget = None
+            self._group_latency = None
+        budget = self.scheduler.budget
+        if link is None or not isinstance(budget, SLOTokenBudget):
+            return
+        self._whole_budget = budget
+        self._group_latency = GroupLatencyModel(budget.model, stages=max(1, link.max_inflight))
+        self.scheduler.use_budget(dataclasses.replace(budget, model=self._group_latency))
 
     def _take_role(self, link: PipelineLink | None, kv_limit: int | None, seqs: Iterable[SeqSnapshot],
                    landing: KVLanding | None = None) -> None:
         self.link = link
         self.kv_limit = kv_limit
+        self._budget_for(link)
         self.clear()
         self.install(seqs, landing)
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kunserve.shared.engine.attention import Attention, AttentionMetadata, make_attention
 from kunserve.shared.engine.kv_storage import KVStorage
+from kunserve.shared.engine.safepoint import Safepoint
 from kunserve.shared.model import rope
 from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.weights import Weights
@@ -149,9 +150,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, kv: KVStorage, meta: AttentionMetadata,
-                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+                logits_rows: torch.Tensor | None = None, safepoint: Safepoint | None = None) -> torch.Tensor:
         """inputs: token ids [T] on the first stage, else hidden states [T, hidden].
-        Returns logits [len(logits_rows), vocab] on the last stage, else hidden states [T, hidden]."""
+        Returns logits [len(logits_rows), vocab] on the last stage, else hidden states [T, hidden]. With a
+        `safepoint` that fires (layer-wise preemption), the rest of the pass runs the safepoint's rows only and
+        the result is theirs: logits of safepoint.logits_rows, or hidden states [T', hidden]."""
         cfg = self.cfg
         T = positions.shape[0]
         if self.is_first:
@@ -164,6 +167,15 @@ class ModelRunner:
         nh, nkvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         nq, nkv = nh * hd, nkvh * hd
         for i in range(self.start, self.end):
+            if safepoint is not None and safepoint.due(i, self.start):
+                x, positions, meta, logits_rows = (x[safepoint.keep], safepoint.positions, safepoint.meta,
+                                                   safepoint.logits_rows)
+                T = positions.shape[0]
+                if T == 0:
+                    return x.new_empty((0, cfg.vocab_size if self.is_last else x.shape[-1]),
+                                       dtype=torch.float32 if self.is_last else x.dtype)
+                cos = self.cos[positions].unsqueeze(1)
+                sin = self.sin[positions].unsqueeze(1)
             L = self.layers[i]
             h = self._rms(x, L.ln1)
             qkv = L.qkv(h)

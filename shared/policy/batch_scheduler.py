@@ -301,6 +301,10 @@ class Scheduler:
             self.num_offline_preemptions += 1
         self._insert(self.waiting, seq)
 
+    def use_budget(self, budget: TokenBudget) -> None:
+        """Budget the next iterations with `budget` (a pipeline group's head: its group's latency model)."""
+        self.budget = budget
+
     # -- the policy -----------------------------------------------------------------------------------
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for seq's next num_tokens tokens; False (nothing allocated) when too few are free."""

@@ -196,7 +196,7 @@ def test_abort_while_in_flight_drops_the_result_and_frees_the_blocks():
     for _ in range(200):
         events += eng.step()
         r0 = eng.seqs.get("r0")
-        if r0 is not None and r0.generated and any(c.seq is r0 for _, chunks, _ in eng._inflight for c in chunks):
+        if r0 is not None and r0.generated and any(c.seq is r0 for shipped in eng._inflight for c in shipped.chunks):
             break
     else:
         pytest.fail("r0 never decoded with a microbatch in flight")
@@ -206,7 +206,7 @@ def test_abort_while_in_flight_drops_the_result_and_frees_the_blocks():
     assert eng.abort("r0") and not eng.abort("r0")
     assert eng.allocator.num_used == used_before - r0_blocks, "an aborted request's blocks are freed at once"
     assert "r0" not in eng.seqs and "r1" in eng.seqs
-    assert any(c.seq is r0 for _, chunks, _ in eng._inflight for c in chunks), "r0's microbatch is still out"
+    assert any(c.seq is r0 for shipped in eng._inflight for c in shipped.chunks), "r0's microbatch is still out"
     eng.add_request(clone(reqs[2]))  # reuses r0's blocks while r0's microbatch may still be in flight
     while eng.has_work():
         events += eng.step()

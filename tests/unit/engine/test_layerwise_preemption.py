@@ -1,0 +1,133 @@
+"""Layer-wise preemption (ConServe §4.3, Algorithm 2) in a whole instance, and a group head budgeting its
+microbatches under its group's measured step.
+
+An online arrival during a forward pass that carries offline rows raises the engine's flag (from the arrival
+check, as a worker's submit does); the next safepoint drops the offline rows and the iteration ends for the
+online ones. The arrival is injected at a chosen layer by wrapping that layer's first projection (the only
+way to make "arrives while layer 1 runs" deterministic). Oracle: every request's greedy tokens equal the dense
+reference's (and the offline ones' equal their uninterrupted run), whatever was cut."""
+
+from __future__ import annotations
+
+import random
+
+from engine_testing import check_greedy, clone, one_torch_thread, weights_for  # noqa: F401 - fixture
+from test_group_engine import make_group
+
+from kunserve.shared.engine.api import EngineRequest, SamplingParams
+from kunserve.shared.engine.engine import Engine, SchedulerConfig
+from kunserve.shared.model.architecture import TINY_CONFIG
+from kunserve.shared.policy.costmodel import ConServeLatencyModel
+from kunserve.shared.policy.group_latency import GroupLatencyModel
+from kunserve.shared.policy.token_budget import SLOTokenBudget
+
+CFG = TINY_CONFIG  # 4 layers
+SCHED = SchedulerConfig(max_num_batched_tokens=64)
+
+
+def _requests(seed: int = 5) -> tuple[list[EngineRequest], list[EngineRequest]]:
+    rng = random.Random(seed)
+    offline = [EngineRequest(f"off{i}", [rng.randrange(CFG.vocab_size) for _ in range(rng.randint(40, 90))],
+                             SamplingParams(max_tokens=12, ignore_eos=True), offline=True) for i in range(3)]
+    online = [EngineRequest(f"on{i}", [rng.randrange(CFG.vocab_size) for _ in range(rng.randint(10, 30))],
+                            SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(2)]
+    return offline, online
+
+
+class ArrivalAt:
+    """Calls engine.online_arrived while layer `layer` computes, on chosen calls of the engine's forward pass."""
+
+    def __init__(self, engine: Engine, layer: int) -> None:
+        self.engine = engine
+        self.armed = False
+        self.raised = 0
+        lin = engine.runner.layers[layer].qkv
+        self.inner = lin.__call__
+
+        def wrapped(x):
+            if self.armed:
+                self.armed = False
+                self.raised += engine.online_arrived(16)
+            return self.inner(x)
+        engine.runner.layers[layer].qkv = wrapped  # type: ignore[assignment]
+
+
+def test_an_online_arrival_cuts_the_offline_rows_at_the_next_safepoint_and_every_token_stays_the_reference():
+    w = weights_for(CFG)
+    offline, online = _requests()
+    alone = Engine(CFG, w, num_kv_blocks=96, block_size=8, scheduler_config=SCHED).generate([clone(r) for r in offline])
+    eng = Engine(CFG, w, num_kv_blocks=96, block_size=8, scheduler_config=SCHED)
+    eng.enable_layerwise_preemption(every=2, ttft_s=0.5)
+    arrival = ArrivalAt(eng, layer=1)  # safepoints before layer 2: an arrival in layer 1 cuts there
+    got: dict[str, list[int]] = {r.request_id: [] for r in offline + online}
+    for r in offline:
+        eng.add_request(clone(r))
+    for ev in eng.step():  # offline prompts only: nothing to cut for
+        got[ev.request_id].append(ev.token_id)
+    before = {rid: s.num_computed for rid, s in eng.seqs.items()}
+    eng.add_request(clone(online[0]))
+    arrival.armed = True
+    for ev in eng.step():
+        got[ev.request_id].append(ev.token_id)
+    assert arrival.raised == 1 and eng.layerwise_preemptions == 1
+    assert {rid: eng.seqs[rid].num_computed for rid in before} == before, "the cut offline rows advanced"
+    assert eng.seqs["on0"].num_computed > 0, "the online request ran in the cut iteration"
+    assert not eng.preempt_offline.is_set() or eng.in_flight is None
+    step = 0
+    while eng.has_work():
+        if step == 3:
+            eng.add_request(clone(online[1]))
+            arrival.armed = True
+        for ev in eng.step():
+            got[ev.request_id].append(ev.token_id)
+        step += 1
+        assert step < 500
+    assert eng.layerwise_preemptions >= 2 and eng.allocator.num_used == 0
+    for r in offline:
+        tie = check_greedy(CFG, w, r.prompt_token_ids, got[r.request_id])
+        assert len(got[r.request_id]) == 12 and (tie or got[r.request_id] == alone[r.request_id])
+    for r in online:
+        assert len(got[r.request_id]) == 8
+        check_greedy(CFG, w, r.prompt_token_ids, got[r.request_id])
+
+
+def test_online_only_iterations_are_never_cut_and_an_unmet_prediction_does_not_cut():
+    w = weights_for(CFG)
+    offline, online = _requests(seed=9)
+    eng = Engine(CFG, w, num_kv_blocks=96, block_size=8, scheduler_config=SCHED)
+    eng.enable_layerwise_preemption(every=1, ttft_s=0.5)
+    arrival = ArrivalAt(eng, layer=0)
+    eng.add_request(clone(online[0]))
+    arrival.armed = True
+    eng.step()
+    assert arrival.raised == 0 and eng.layerwise_preemptions == 0, "no offline rows: nothing to cut"
+    # with a latency model that says the rest of the iteration plus the prefill fits the SLO, nothing is cut
+    fast = SLOTokenBudget(ConServeLatencyModel(1e-9, 0.0, 0.0, 0.0, 1e-6), tbt_s=1.0)
+    eng2 = Engine(CFG, w, num_kv_blocks=96, block_size=8, scheduler_config=SCHED, budget=fast)
+    eng2.enable_layerwise_preemption(every=1, ttft_s=0.5)
+    arrival2 = ArrivalAt(eng2, layer=1)
+    eng2.add_request(clone(offline[0]))
+    arrival2.armed = True
+    eng2.step()
+    assert arrival2.raised == 0 and eng2.layerwise_preemptions == 0
+
+
+def test_a_group_head_budgets_under_its_measured_step_and_gets_its_own_budget_back():
+    model = ConServeLatencyModel(k1=8.8e-5, k2=6e-8, k3=0.0, k4=9.6e-7, k5=3.2e-3)
+    sched = SchedulerConfig(max_num_batched_tokens=40)
+    eng, link = make_group(2, 2, sched=sched)
+    assert not isinstance(eng.scheduler.budget, SLOTokenBudget), "a fixed budget stays fixed in a group"
+    whole = Engine(CFG, weights_for(CFG), num_kv_blocks=48, block_size=8, scheduler_config=sched,
+                   budget=SLOTokenBudget(model, tbt_s=0.2))
+    whole.use_weights(weights_for(CFG), (0, 2))
+    whole.become_head(link, 48, [])
+    budget = whole.scheduler.budget
+    assert isinstance(budget, SLOTokenBudget) and isinstance(budget.model, GroupLatencyModel)
+    group = budget.model
+    assert group.stages == 2 and group.scale == 2.0 and group.base == model
+    whole.add_request(EngineRequest("r", list(range(1, 30)), SamplingParams(max_tokens=6, ignore_eos=True)))
+    while whole.has_work():
+        whole.step()
+    assert group.observations >= 6 and group.scale != 2.0, "the measured round trips replaced the assumption"
+    whole.leave_group()
+    assert whole.scheduler.budget == SLOTokenBudget(model, tbt_s=0.2)
