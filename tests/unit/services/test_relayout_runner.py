@@ -201,6 +201,7 @@ class Requests:
         self.tokens: dict[str, list[int]] = {}
         self.tasks: list[asyncio.Task] = []
         self.max_tokens = 0
+        self.where: dict[str, str] = {}  # request id -> the worker whose stream it is followed on
 
     def submit(self, wid: str, rid: str, prompt: list[int], max_tokens: int) -> None:
         w = self.workers[wid]
@@ -210,6 +211,7 @@ class Requests:
         self.prompts[rid] = prompt
         self.tokens[rid] = []
         self.max_tokens = max_tokens
+        self.where[rid] = wid
         self.tasks.append(asyncio.create_task(self._follow(w, rid, q)))
 
     async def _follow(self, w: Worker, rid: str, q: asyncio.Queue) -> None:
@@ -218,6 +220,7 @@ class Requests:
             if isinstance(item, Moved):  # what the dispatcher does: attach at the new head
                 w.streams.close(rid)
                 w = self.workers[item.worker_id]
+                self.where[rid] = item.worker_id
                 q = w.runner.handover.attach(rid)
                 assert q is not None, f"{rid} moved to {item.worker_id}, which does not have it"
                 continue
@@ -229,12 +232,28 @@ class Requests:
                 return
 
     async def until_each_has(self, n: int) -> None:
-        for _ in range(6000):
-            if all(len(t) >= n for t in self.tokens.values()):
-                return
-            assert not any(t.done() for t in self.tasks), "a request ended before the step under test"
-            await asyncio.sleep(0.01)
-        pytest.fail(f"requests never reached {n} tokens: {[len(t) for t in self.tokens.values()]}")
+        """Every request has at least n tokens and none has finished. A worker whose requests all have n already
+        is held (paused) until the others catch up: on a loaded machine one engine thread can otherwise finish
+        its requests before another has produced n tokens."""
+        held: list[str] = []
+        try:
+            for _ in range(6000):
+                for task in self.tasks:
+                    if task.done():
+                        task.result()  # a failure surfaces as itself
+                        pytest.fail("a request ended before the step under test")
+                if all(len(t) >= n for t in self.tokens.values()):
+                    return
+                for wid, w in self.workers.items():
+                    mine = [rid for rid, at in self.where.items() if at == wid]
+                    if mine and not w.loop.paused and all(len(self.tokens[rid]) >= n for rid in mine):
+                        w.loop.pause()
+                        held.append(wid)
+                await asyncio.sleep(0.01)
+            pytest.fail(f"requests never reached {n} tokens: {[len(t) for t in self.tokens.values()]}")
+        finally:
+            for wid in held:
+                self.workers[wid].loop.resume()
 
     async def finish(self) -> None:
         await asyncio.wait_for(asyncio.gather(*self.tasks), 120)
