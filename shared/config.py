@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kunserve.shared.policy.batch_scheduler import COSERVING_MODES
 from kunserve.shared.policy.overload_policies import OVERLOAD_POLICIES
 
 ENV_PREFIX = "KUNSERVE__"
@@ -134,6 +135,16 @@ class EngineSection:
     # ConServe's layer-wise preemption: a whole instance's forward pass checks for an online arrival that would
     # miss slo.ttft_ms every this many layers and then finishes the iteration without its offline rows; 0 = off
     safepoint_layers: int = 1
+    # How offline requests share an instance with online ones: "conserve" (Algorithm 1, the SLO budget and
+    # layer-wise preemption), or a baseline of ConServe §6 (`kunserve bench coserve`): "preemptive" (vLLM-style
+    # priority: offline admitted greedily, preempted by recompute, fixed budget, no safepoints) or "non-preemptive"
+    # (class-blind FCFS, fixed budget, no safepoints). Both baselines override budget and safepoint_layers.
+    coserving: str = "conserve"
+    # ConServe's incremental KV checkpoints (§4.4): host memory (MiB per worker, allocated as used) into which the
+    # offline requests' completed KV blocks are copied in the background, so preempting one frees its KV at once and
+    # recomputes nothing; when full, the oldest offline requests fall back to recompute. 0 = off. Under
+    # engine.coserving = "conserve" only (the baselines preempt by recompute).
+    checkpoint_mib: int = 256
     threads: int = 0  # torch threads per worker; 0 = share of the cores
     # SLO-aware token budget (ConServe), on by default: with budget = "auto" a worker keeps every iteration's
     # predicted latency under budget_headroom * slo.tbt_ms (and its tokens under max_num_batched_tokens), under
@@ -376,8 +387,12 @@ def validate(cfg: ClusterConfig) -> None:
         raise ConfigError(f"{src}: engine.budget must be auto or fixed, got {e.budget!r}")
     if not 0 < e.budget_headroom <= 1:
         raise ConfigError(f"{src}: engine.budget_headroom must be in (0, 1], got {e.budget_headroom}")
+    if e.coserving not in COSERVING_MODES:
+        raise ConfigError(f"{src}: engine.coserving must be one of {', '.join(COSERVING_MODES)}, got {e.coserving!r}")
     if e.safepoint_layers < 0:
         raise ConfigError(f"{src}: engine.safepoint_layers must be >= 0 (0 = off), got {e.safepoint_layers}")
+    if e.checkpoint_mib < 0:
+        raise ConfigError(f"{src}: engine.checkpoint_mib must be >= 0 (0 = off), got {e.checkpoint_mib}")
     if not 0 <= e.offline_free_watermark < 1:
         raise ConfigError(f"{src}: engine.offline_free_watermark must be in [0, 1), got {e.offline_free_watermark}")
     if not (cfg.slo.tbt_ms > 0 and cfg.slo.ttft_ms > 0):

@@ -1,4 +1,4 @@
-"""`kunserve bench run`, `compare` and `convert-trace`: replay a bursty trace and measure what users feel.
+"""`kunserve bench run`, `compare`, `coserve` and `convert-trace`: replay a bursty trace and measure what users feel.
 
 `run` replays a trace against a cluster that is already up (any policy) over gRPC, or with `--endpoint`
 against any OpenAI-compatible server over HTTP, and writes result.json plus ttft_timeline.png and
@@ -7,8 +7,11 @@ and the cluster's undropped KV capacity: benchkit/calibrate.py), then starts a f
 every overload policy or ablation variant (same config, trace and prompt seed), runs the same replay on each and
 on every `--external NAME=URL` server (a real vLLM, say), `--repeats` times interleaved, prints one table of
 medians and ranges (or says the trace never overloaded) and writes compare.json and compare.png — the headline
-comparison of KunServe §5 in the same system. `convert-trace` rewrites a trace between the BurstGPT CSV, vLLM
-timed_trace and Mooncake formats, so `vllm bench serve` can replay the very trace this harness replays.
+comparison of KunServe §5 in the same system. `coserve` runs an online trace beside an offline backlog through
+online-only, non-preemptive, preemptive and conserve (engine.coserving; benchkit/coserve.py), a fresh local cluster
+per run, and writes coserve.json and coserve.png (ConServe Fig. 6/7). `convert-trace` rewrites a trace between
+the BurstGPT CSV, vLLM timed_trace and Mooncake formats, so `vllm bench serve` can replay the very trace this harness
+replays.
 
 Errors are one line on stderr (exit 1); Ctrl-C writes what was measured so far and exits 130.
 """
@@ -46,6 +49,22 @@ from kunserve.benchkit.calibrate import (
     speeds_from_cost_model,
     verdict,
 )
+from kunserve.benchkit.coserve import (
+    CONSERVE,
+    OFFLINE_PROFILES,
+    ONLINE_ONLY,
+    CoserveOutcome,
+    offline_lengths,
+    run_coserve,
+    slo_from,
+    summarize_run,
+)
+from kunserve.benchkit.coserve import POLICIES as COSERVE_POLICIES
+from kunserve.benchkit.coserve import POLICY_MODES as COSERVE_MODES
+from kunserve.benchkit.coserve import compare as compare_coserve
+from kunserve.benchkit.coserve import representative as coserve_representative
+from kunserve.benchkit.coserve import rounds as coserve_rounds
+from kunserve.benchkit.coserve import timeline as coserve_timeline
 from kunserve.benchkit.holds import (
     DROP,
     MEMORY_BOUND_S,
@@ -982,6 +1001,287 @@ def render_table(console, runs: dict[str, list[dict]], comparison: dict | None =
         console.print(f"  target {name}: {'[green]met[/]' if ok else '[red]missed[/]'}")
 
 
+# -- coserve -------------------------------------------------------------------------------------------------
+# Sized for the embedded model on one worker with one torch thread of a 2-core CPU (ConServe §6.2's setting scaled
+# down): Gamma arrivals at CV 0.5, BurstGPT-like online lengths at half scale, a 64 MiB pool (~8k tokens of KV: about
+# ten offline requests with the online ones beside them, so memory is what the policies contend for), 512-token
+# iterations (vLLM's chunked-prefill cap, scaled). conserve's SLOs: --slo-scale x online-only's p99s (ConServe §6.2).
+COSERVE_RATE = 1.0
+COSERVE_CV = 0.5
+COSERVE_DURATION_S = 60.0
+COSERVE_POOL_MIB = 64
+COSERVE_MAX_BATCHED = 512
+COSERVE_INFLIGHT = 16
+COSERVE_SLO_SCALE = 1.0
+COSERVE_STALL_TIMEOUT_S = 60.0
+COSERVE_WINDOW_S = 5.0
+OFFLINE_POOL = 4096  # offline lengths drawn per run, cycled (more than any run here sends)
+# --quick: one run per policy of a short trace (about 1-2 minutes in all here); explicit flags win.
+COSERVE_QUICK = Scenario("quick", "smoke run", "one short run per policy",
+                         {"duration": 12.0, "repeats": 1, "window": 2.0})
+COSERVE_DEFAULTS: dict[str, Any] = {"duration": COSERVE_DURATION_S, "burst": [], "bursts": 1, "burst_gap": 0.0,
+                                    "repeats": DEFAULT_REPEATS, "window": COSERVE_WINDOW_S}
+
+
+def complete_coserve(ns: argparse.Namespace) -> None:
+    """The flags left unset: --quick's presets, then the plain defaults (no burst window unless --burst)."""
+    values = vars(ns)
+    if values.get("no_burst"):
+        values["burst"] = []
+    resolve(values, COSERVE_DEFAULTS, COSERVE_QUICK if values.get("quick") else None)
+
+
+def parse_coserve_policies(text: str) -> list[str]:
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    if not policies:
+        raise BenchError("--policies is empty")
+    unknown = [p for p in policies if p not in COSERVE_POLICIES]
+    if unknown:
+        raise BenchError(f"unknown policy {unknown[0]!r} (known: {', '.join(COSERVE_POLICIES)})")
+    if len(set(policies)) != len(policies):
+        raise BenchError("--policies names a policy twice")
+    return policies
+
+
+def check_coserve_args(args: argparse.Namespace) -> list[str]:
+    """The policies to run, after every check that needs no cluster (BenchError)."""
+    policies = parse_coserve_policies(args.policies)
+    for name, least in (("repeats", 1), ("workers", 1), ("offline_inflight", 1), ("threads", 1),
+                        ("max_batched_tokens", 1), ("pool_mib", 1)):
+        if getattr(args, name) < least:
+            raise BenchError(f"--{name.replace('_', '-')} must be >= {least}")
+    for name in ("ttft_slo_ms", "tbt_slo_ms", "window", "slo_scale"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise BenchError(f"--{name.replace('_', '-')} must be > 0, got {value:g}")
+    if CONSERVE in policies and ONLINE_ONLY not in policies and (args.ttft_slo_ms is None or args.tbt_slo_ms is None):
+        raise BenchError("conserve's SLOs are --slo-scale x online-only's p99s: add online-only to --policies, or give "
+                         "both --ttft-slo-ms and --tbt-slo-ms")
+    return policies
+
+
+def coserve_slo(args: argparse.Namespace, reference: Mapping[str, Any] | None) -> dict[str, float] | None:
+    """The SLOs conserve runs under: the explicit ones, the others from online-only's summary (None until it ran)."""
+    derived = slo_from(reference, args.slo_scale) if reference is not None else None
+    ttft = args.ttft_slo_ms if args.ttft_slo_ms is not None else (derived or {}).get("ttft_ms")
+    tbt = args.tbt_slo_ms if args.tbt_slo_ms is not None else (derived or {}).get("tbt_ms")
+    return None if ttft is None or tbt is None else {"ttft_ms": ttft, "tbt_ms": tbt}
+
+
+def coserve_config(args: argparse.Namespace, policy: str, slo: Mapping[str, float] | None = None) -> ClusterConfig:
+    """A policy's cluster: the same config for all (workers, pool, threads, iteration cap, SLOs when known) but for
+    engine.coserving; no parameter drop (recompute, monitor off): this bench isolates co-serving."""
+    cfg = _load(args)
+    with_workers(cfg, args.workers)
+    assign_free_ports(cfg)
+    cfg.engine.pool_mib = args.pool_mib
+    cfg.engine.threads = args.threads
+    cfg.engine.max_num_batched_tokens = args.max_batched_tokens
+    cfg.engine.coserving = COSERVE_MODES[policy]
+    if slo is not None:
+        cfg.slo.ttft_ms, cfg.slo.tbt_ms = slo["ttft_ms"], slo["tbt_ms"]
+    cfg.policy.overload = "recompute"
+    cfg.monitor.auto_drop = False
+    cfg.dispatcher.route_timeout_s = max(cfg.dispatcher.route_timeout_s, args.request_timeout)
+    # every request waits until it is served: admission control would refuse part of the offline backlog with
+    # bounds that follow each policy's own queueing
+    cfg.dispatcher.max_queued_prompt_tokens = UNBOUNDED
+    cfg.dispatcher.max_inflight_per_worker = UNBOUNDED
+    cfg.dispatcher.queue_timeout_s = max(cfg.dispatcher.queue_timeout_s, args.request_timeout)
+    # a loaded 2-core machine can keep a worker from answering its stats polls for seconds; this bench measures
+    # latency, not failover, so a slow worker is waited for instead of being declared stalled
+    cfg.dispatcher.stall_timeout_s = max(cfg.dispatcher.stall_timeout_s, COSERVE_STALL_TIMEOUT_S)
+    cfg.logging.format = "json"
+    return cfg
+
+
+def _coserve_with_progress(trace: Sequence[TraceRequest], offline: Sequence[tuple[int, int]], cfg: ClusterConfig,
+                           creds: client.Credentials, args: argparse.Namespace, label: str,
+                           stop_flag: list[bool]) -> CoserveOutcome:
+    """One run (`run_coserve`) under a progress bar of the online requests; `stop_flag[0]` turning True stops it."""
+    progress = _progress(len(trace), label)
+    task = progress.add_task(label, total=len(trace), info="")
+    failed = [0]
+
+    def done(r: RequestResult) -> None:
+        failed[0] += not r.ok
+        progress.update(task, advance=1, info=f"failed {failed[0]}" if failed[0] else "")
+
+    async def main() -> CoserveOutcome:
+        stop = asyncio.Event()
+
+        async def watch() -> None:
+            while not stop_flag[0]:
+                await asyncio.sleep(0.1)
+            stop.set()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await run_coserve(trace, offline, cfg.dispatcher.address, inflight=args.offline_inflight,
+                                     seed=args.seed, timeout_s=args.request_timeout,
+                                     admin_address=cfg.memory_manager.address, stop=stop, on_online_done=done,
+                                     creds=creds)
+        finally:
+            watcher.cancel()
+
+    with progress:
+        return asyncio.run(main())
+
+
+def coserve_run_record(outcome: CoserveOutcome, *, policy: str, run: int, cfg: ClusterConfig, window_s: float) -> dict:
+    """The JSON document of one run: its summary, its time windows, the admin samples and every request."""
+    return {"version": RESULT_VERSION, "policy": policy, "run": run, "coserving": cfg.engine.coserving,
+            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "interrupted": outcome.interrupted, "not_sent": outcome.not_sent,
+            "summary": summarize_run(outcome.online, outcome.offline, outcome.window_s, outcome.samples),
+            "timeline": coserve_timeline(outcome.online, outcome.offline, outcome.window_s, window_s),
+            "samples": outcome.samples, "online": [r.to_dict() for r in outcome.online],
+            "offline": [r.to_dict() for r in outcome.offline]}
+
+
+def _slo_text(slo: Mapping[str, float] | None) -> str:
+    return "-" if slo is None else f"TTFT {slo['ttft_ms']:.0f} ms, TBT {slo['tbt_ms']:.1f} ms"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+# Table columns of `coserve` after policy and online done/sent: (header, metric, format).
+COSERVE_COLUMNS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
+    ("TTFT p50", "ttft_p50_s", _ms), ("TTFT p99", "ttft_p99_s", _ms), ("TBT p50", "tbt_p50_s", _ms),
+    ("TBT p99", "tbt_p99_s", _ms), ("online tok/s", "online_tokens_per_s", lambda v: f"{v:.0f}"),
+    ("offline tok/s", "offline_tokens_per_s", lambda v: f"{v:.0f}"),
+    ("offline done", "offline_completed", lambda v: f"{v:g}"), ("preempt.", "preemptions", lambda v: f"{v:g}"),
+    ("busy", "busy_share", _pct),
+)
+COSERVE_RATIOS: tuple[tuple[str, str], ...] = (("TTFT p99 / online-only", "ttft_p99_vs_online_only"),
+                                               ("TBT p99 / online-only", "tbt_p99_vs_online_only"),
+                                               ("offline / non-preemptive", "offline_vs_non_preemptive"))
+
+
+def render_coserve(console, summaries: Mapping[str, Sequence[dict]], comparison: dict) -> None:
+    """The table (median over runs, range below), then the issue's targets as met / missed."""
+    from rich.table import Table
+
+    t = Table(title="kunserve bench coserve", show_lines=True)
+    for col in ("policy", "online done/sent", *(c[0] for c in COSERVE_COLUMNS), *(c[0] for c in COSERVE_RATIOS)):
+        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "policy")
+    for policy, runs in summaries.items():
+        m = comparison["medians"][policy]
+        ratios = comparison["ratios"][policy]
+        label = policy if len(runs) == 1 else f"{policy}\n[dim]{len(runs)} runs[/]"
+        done = f"{sum(s['online']['completed'] for s in runs)}/{sum(s['online']['requests'] for s in runs)}"
+        t.add_row(label, done, *(_cell(m[metric], fmt) for _, metric, fmt in COSERVE_COLUMNS),
+                  *("-" if ratios[key] is None else _ratio(ratios[key]) for _, key in COSERVE_RATIOS))
+    console.print(t)
+    console.print("latencies in ms, median over runs (range below); TBT = every gap between two tokens of an online "
+                  "request; offline tok/s = prompt + output tokens of offline requests processed per second, until the "
+                  "last online request ended; preempt. = the workers' preemptions in that time; busy = share of it the "
+                  "workers spent computing; ratios of the medians")
+    for name, ok in comparison["targets"].items():
+        verdict = "[dim]n/a (a policy it compares with did not run)[/]" if ok is None else (
+            "[green]met[/]" if ok else "[red]missed[/]")
+        console.print(f"  target {name}: {verdict}")
+
+
+def cmd_coserve(args: argparse.Namespace) -> int:
+    from kunserve.benchkit.coserve_plots import plot_coserve
+
+    console = _console()
+    policies = check_coserve_args(args)
+    model = coserve_config(args, policies[0]).model.path or "embedded tiny model"  # a bad config fails here
+    trace, source = build_trace(args)
+    try:
+        offline = offline_lengths(args.offline_profile, OFFLINE_POOL, seed=args.seed)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+    out = _out_dir(args, "coserve")
+    d = describe(trace)
+    mean_in, mean_out = (sum(x[i] for x in offline) / len(offline) for i in (0, 1))
+    console.print(f"[bold]kunserve bench coserve[/] on {args.workers} worker(s) x {args.threads} thread(s) "
+                  f"({platform.machine()}, {os.cpu_count()} cores), {args.repeats} run(s) per policy: "
+                  f"{', '.join(policies)} -> {out}")
+    console.print(f"online: {len(trace)} requests over {d['duration_s']:.1f} s (mean prompt {d['mean_prompt']:.0f}, "
+                  f"output {d['mean_output']:.0f} tokens); offline: {args.offline_inflight} in flight, "
+                  f"'{args.offline_profile}' lengths (mean prompt {mean_in:.0f}, output {mean_out:.0f}); "
+                  f"{args.max_batched_tokens} tokens per iteration at most; pool {args.pool_mib} MiB per worker")
+    slo = coserve_slo(args, None)
+    console.print(f"conserve's SLOs: {_slo_text(slo)}" if slo is not None else
+                  f"conserve's SLOs: {args.slo_scale:g} x online-only's p99 TTFT and TBT (measured first)")
+    stop_flag = _interrupt_flag()
+    docs: dict[str, list[dict]] = {}
+    interrupted = False
+    for round_policies in coserve_rounds(policies, args.repeats):
+        for policy in round_policies:
+            k = len(docs.get(policy, [])) + 1
+            run_dir = out / policy / f"run-{k}"
+            cfg = coserve_config(args, policy, slo)
+            cluster = LocalCluster(cfg, run_dir=run_dir / "cluster")
+            console.print(f"[bold]{policy}[/] run {k}: starting a fresh cluster (engine.coserving = "
+                          f"{cfg.engine.coserving}; logs: {run_dir / 'cluster'})")
+            try:
+                cluster.start(timeout_s=args.start_timeout)
+            except ClusterStartError as exc:
+                raise BenchError(f"{policy}: cluster failed to start: {exc}") from None
+            except KeyboardInterrupt:
+                interrupted = True
+                break
+            if stop_flag[0]:
+                cluster.stop()
+                interrupted = True
+                break
+            try:
+                time.sleep(args.settle)
+                outcome = _coserve_with_progress(trace, offline if policy != ONLINE_ONLY else [], cfg,
+                                                 client.credentials_from(cluster.cfg, environ={}), args,
+                                                 f"{policy} {k}", stop_flag)
+            finally:
+                cluster.stop()
+            doc = coserve_run_record(outcome, policy=policy, run=k, cfg=cfg, window_s=args.window)
+            docs.setdefault(policy, []).append(doc)
+            _write_json(run_dir / "result.json", doc)
+            s = doc["summary"]
+            console.print(f"  {policy} run {k}: online {s['online']['completed']}/{s['online']['requests']}, TTFT p99 "
+                          f"{_ms(s['online']['ttft']['p99'])} ms, TBT p99 {_ms(s['online']['tbt']['p99'])} ms, "
+                          f"offline {s['offline']['tokens_per_s']:.0f} tok/s")
+            if policy == ONLINE_ONLY and slo is None:
+                slo = coserve_slo(args, s)
+                console.print(f"  conserve's SLOs from it: {_slo_text(slo)}" if slo is not None else
+                              "  [yellow]online-only measured no p99: conserve keeps the config's SLOs[/]")
+            if outcome.interrupted:
+                interrupted = True
+                break
+        if interrupted:
+            break
+    if not docs:
+        console.print("[yellow]interrupted before any policy ran[/]")
+        return 130
+    ordered = {p: docs[p] for p in policies if p in docs}
+    summaries = {p: [d["summary"] for d in ds] for p, ds in ordered.items()}
+    comparison = compare_coserve(summaries)
+    record = {"version": RESULT_VERSION, "policies": list(ordered), "repeats": args.repeats,
+              "host": {"machine": platform.machine(), "cores": os.cpu_count(), "node": platform.node()},
+              "cluster": {"workers": args.workers, "threads": args.threads, "pool_mib": args.pool_mib,
+                          "max_num_batched_tokens": args.max_batched_tokens, "model": model},
+              "slo": slo, "slo_scale": args.slo_scale,
+              "trace": {"source": source, **d},
+              "offline": {"profile": args.offline_profile, "inflight": args.offline_inflight,
+                          "mean_prompt": mean_in, "mean_output": mean_out},
+              "window_s": args.window, "interrupted": interrupted, **comparison,
+              "runs": {p: [{"run": doc["run"], "summary": doc["summary"]} for doc in ds] for p, ds in ordered.items()}}
+    _write_json(out / "coserve.json", record)
+    shown = {p: coserve_representative(ds) for p, ds in ordered.items()}
+    png = plot_coserve(shown, comparison["medians"], slo or {}, out / "coserve.png")
+    render_coserve(console, summaries, comparison)
+    console.print(f"wrote {out / 'coserve.json'} (every run's summary), {png}, per-run results under "
+                  f"{out}/<policy>/run-<n>/result.json")
+    if interrupted:
+        console.print("[yellow]interrupted[/]: the results above are partial")
+        return 130
+    return 0
+
+
 # -- parser ------------------------------------------------------------------------------------------------------
 def _overload(text: str) -> float:
     try:
@@ -1129,6 +1429,50 @@ def add_bench_parser(sub) -> None:
                            "vllm=http://127.0.0.1:8000/v1) after the policies: one more row; repeatable")
     cmp_.add_argument("--external-api-key", help=f"API key for the --external servers (default: ${API_KEY_ENV})")
     cmp_.set_defaults(func=_guarded(cmd_compare))
+    cos = bsub.add_parser("coserve", help="online trace + offline backlog through online-only, non-preemptive, "
+                                          "preemptive and conserve (ConServe Fig. 6/7), a fresh local cluster each")
+    cos.complete = complete_coserve
+    cos.add_argument("--quick", action="store_true",
+                     help=f"smoke run, about 1-2 minutes on a 2-core CPU: {_preset_flags(COSERVE_QUICK)} (explicit "
+                          "flags win)")
+    _add_trace_args(cos)
+    cos.set_defaults(rate=COSERVE_RATE, cv=COSERVE_CV)
+    for action in cos._actions:  # the trace group's help names run / compare's defaults
+        if action.dest == "duration":
+            action.help = f"generator: trace length (s; default {COSERVE_DURATION_S:g})"
+        elif action.dest == "burst":
+            action.help = "generator: START:DURATION:FACTOR, rate x FACTOR in that window (default: none); repeatable"
+        elif action.dest in ("rate", "cv"):
+            action.help = f"{action.help} (default {COSERVE_RATE if action.dest == 'rate' else COSERVE_CV:g})"
+    cos.add_argument("--policies", default=",".join(COSERVE_POLICIES),
+                     help=f"comma-separated, from: {', '.join(COSERVE_POLICIES)} (default: all)")
+    cos.add_argument("--repeats", type=int,
+                     help=f"runs per policy, interleaved round by round with the order rotated (default {DEFAULT_REPEATS})")
+    g = cos.add_argument_group("offline work", "offline requests (class OFFLINE over gRPC) kept in flight beside the "
+                                               "online trace until its last request ends")
+    g.add_argument("--offline-profile", choices=OFFLINE_PROFILES, default="mix",
+                   help="lengths after ConServe's offline sets (Table 1) scaled for a CPU: dureader (~900 / 42), "
+                        "multinews (~290 / 99), vcsum (~780 / 84), or a random mix of the three (default); prompts "
+                        "256-1024, outputs 32-128 tokens")
+    g.add_argument("--offline-inflight", type=int, default=COSERVE_INFLIGHT,
+                   help=f"offline requests in flight at any time (default {COSERVE_INFLIGHT})")
+    c = cos.add_argument_group("cluster", "the same for every policy but engine.coserving")
+    c.add_argument("--workers", type=int, default=1, help="workers per cluster (default 1: one instance)")
+    c.add_argument("--pool-mib", type=int, default=COSERVE_POOL_MIB,
+                   help=f"memory pool per worker (default {COSERVE_POOL_MIB}: ~8k tokens of KV with the embedded model)")
+    c.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    c.add_argument("--max-batched-tokens", type=int, default=COSERVE_MAX_BATCHED,
+                   help=f"engine.max_num_batched_tokens: the baselines' fixed budget, conserve's cap "
+                        f"(default {COSERVE_MAX_BATCHED})")
+    c.add_argument("--slo-scale", type=float, default=COSERVE_SLO_SCALE,
+                   help="conserve's SLOs (slo.ttft_ms: when it preempts layer-wise; slo.tbt_ms: its token budget) are "
+                        f"this many times online-only's p99 TTFT and TBT, measured first (default {COSERVE_SLO_SCALE:g})")
+    c.add_argument("--ttft-slo-ms", type=float, help="conserve's slo.ttft_ms instead (ms)")
+    c.add_argument("--tbt-slo-ms", type=float, help="conserve's slo.tbt_ms instead (ms)")
+    c.add_argument("--start-timeout", type=float, default=180.0, help="seconds to wait for each cluster")
+    c.add_argument("--settle", type=float, default=1.0, help="seconds between cluster ready and the run")
+    cos.add_argument("--window", type=float, help=f"seconds per time window of the figure (default {COSERVE_WINDOW_S:g})")
+    cos.set_defaults(func=_guarded(cmd_coserve))
     conv = bsub.add_parser("convert-trace", help="rewrite a trace in another format (BurstGPT CSV, timed_trace, Mooncake)")
     conv.add_argument("input", metavar="IN", help="the trace to read (format told from the content, or --from)")
     conv.add_argument("output", metavar="OUT", help="the file to write (format from its name, or --to)")
@@ -1156,5 +1500,5 @@ def _guarded(fn):
     return run
 
 
-__all__ = ["add_bench_parser", "build_trace", "check_externals", "compare_record", "parse_external", "parse_policies",
-           "probe_endpoint", "run_record"]
+__all__ = ["add_bench_parser", "build_trace", "check_coserve_args", "check_externals", "compare_record", "coserve_config",
+           "coserve_slo", "parse_external", "parse_policies", "probe_endpoint", "render_coserve", "run_record"]

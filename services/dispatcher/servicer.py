@@ -110,6 +110,10 @@ class RequestRecord:
     user_stop_ids: frozenset[int] = frozenset()  # the client's stop_token_ids (EOS ids are added to what workers get)
 
 
+def _offline(record: RequestRecord) -> bool:
+    return record.request_class == common_pb2.REQUEST_CLASS_OFFLINE
+
+
 def _stop_split(held: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:
     """(text to send now, text to keep holding, a stop string was found). On a stop: the text before the
     earliest one. Otherwise everything but the longest tail that could still grow into a stop string."""
@@ -188,8 +192,9 @@ class WorkerPool:
                                progress=(s.prompt_tokens_total, s.generated_tokens_total, s.busy_seconds_total),
                                transitioning=s.transitioning)
         alive = not self.liveness.stuck(wid)  # an engine that stalled stays out until it progresses again
+        online = s.num_running + s.num_waiting - s.num_offline_running - s.num_offline_waiting
         self.router.update(RoutingLoad(wid, s.kv_blocks_total, s.kv_blocks_used, s.queued_demand_blocks,
-                                       s.block_size or 16, alive, sent, serving=serving))
+                                       s.block_size or 16, alive, sent, serving=serving, online_requests=online))
         self.mark(wid, alive)
 
     async def refresh_one(self, wid: str, timeout: float = POLL_TIMEOUT_S) -> None:
@@ -563,7 +568,8 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             record.worker_id = wid
             seg = _Segment(wid, attach)
             if not attach:
-                self.pool.router.routed(wid, rid, len(wreq.prompt_token_ids) + 1, time.monotonic())
+                self.pool.router.routed(wid, rid, len(wreq.prompt_token_ids) + 1, time.monotonic(),
+                                        offline=_offline(record))
             try:
                 async for ev in self._relay(record, seg, wreq):
                     yield ev
@@ -665,7 +671,8 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                          emitted=len(record.token_ids), attempt=record.resumes, error=failures[-1] if failures else "")
 
     async def _route(self, record: RequestRecord, dead: set[str], failures: list[str]) -> str | None:
-        """The most-free routable worker not in `dead`; waits (re-polling) while none is routable but
+        """The most-free routable worker not in `dead` (an offline request: the one where online work leaves
+        the most room, `FreenessRouter.choose_offline`); waits (re-polling) while none is routable but
         some candidate is alive, up to route_timeout_s without a token. None: cancelled / shutting down."""
         router = self.pool.router
         if record.route_deadline is None:
@@ -674,7 +681,10 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         while True:
             if record.cancelled or record.shutting_down or record.expired or self.stopping:
                 return None
-            wid = router.choose(exclude=dead)
+            if _offline(record):  # where online work leaves the most room
+                wid = router.choose_offline(len(record.prompt_token_ids) + len(record.token_ids) + 1, exclude=dead)
+            else:
+                wid = router.choose(exclude=dead)
             if wid is not None:
                 if logged:
                     self.log.info("routable_worker_found", request_id=record.request_id, worker=wid)

@@ -16,7 +16,7 @@ import grpc
 
 from kunserve.shared.log import get_logger
 from kunserve.shared.policy.cluster_load import ClusterLoad
-from kunserve.shared.policy.overload import DROP, NONE, RESTORE, Decision, OverloadConfig, OverloadPolicy
+from kunserve.shared.policy.overload import DROP, NONE, RESTORE, Decision, OverloadConfig, OverloadPolicy, UnitLoad
 from kunserve.shared.policy.units import build_units
 from kunserve.shared.rpc import channel
 from kunserve.shared.wire.cluster_state import report_from_pb, status_to_pb
@@ -225,8 +225,7 @@ class OverloadController:
         if decision.action == DROP:
             self.log.info("policy_drop_decided", required_blocks=decision.required_blocks,
                           overloaded=list(decision.units), reason=decision.reason,
-                          loads={uid: (loads[uid].used_blocks, loads[uid].queued_demand_blocks,
-                                       loads[uid].total_blocks) for uid in decision.units if uid in loads})
+                          loads={uid: _load_fields(loads[uid]) for uid in decision.units if uid in loads})
             if self.mode == "migrate":
                 await self._migrate(decision, loads)
             else:
@@ -322,6 +321,12 @@ class OverloadController:
         self._backoff_until = now + backoff
         self.log.warning("policy_action_failed", action=action, error=error, retry_in_s=backoff,
                          counters=asdict(self.counters), **extra)
+
+
+def _load_fields(u: UnitLoad) -> dict[str, int]:
+    """A unit's KV numbers for the decision's log line: every class, and the offline share the policy left out."""
+    return {"used": u.used_blocks, "queued": u.queued_demand_blocks, "total": u.total_blocks,
+            "offline_used": u.offline_used_blocks, "offline_queued": u.offline_queued_demand_blocks}
 
 
 def _changed_workers(rep: memory_manager_pb2.TransitionReport) -> set[str]:

@@ -43,18 +43,33 @@ def make_token_budget(cfg: ClusterConfig, prof: Profile | None, found: str) -> t
     With engine.budget = "auto" and a profile (own_profile: the configured file's, the cache's, or measured at
     start-up; `found` says which, or why there is none) the worker runs ConServe's SLO-aware budget: every
     iteration's predicted latency stays under budget_headroom * slo.tbt_ms, and max_num_batched_tokens stays
-    the hard cap (vLLM's meaning of it: the activations one step may hold). "fixed", or no profile: the fixed
-    max_num_batched_tokens (a fallback is reported as a warning reason, "fallback: ...")."""
+    the hard cap (vLLM's meaning of it: the activations one step may hold). "fixed", a co-serving baseline
+    (engine.coserving other than conserve: vLLM's budget), or no profile: the fixed max_num_batched_tokens (a
+    fallback is reported as a warning reason, "fallback: ...")."""
     e = cfg.engine
     fixed = FixedTokenBudget(e.max_num_batched_tokens)
     if e.budget == "fixed":
         return fixed, f"fixed: {e.max_num_batched_tokens} tokens per iteration (engine.budget = fixed)"
+    if e.coserving != "conserve":
+        return fixed, f"fixed: {e.max_num_batched_tokens} tokens per iteration (engine.coserving = {e.coserving})"
     if prof is None:
         return fixed, f"{found}; using the fixed {e.max_num_batched_tokens} tokens per iteration"
     budget = SLOTokenBudget(prof.conserve, tbt_s=cfg.slo.tbt_ms / 1e3, headroom=e.budget_headroom,
                             max_tokens=e.max_num_batched_tokens)
     return budget, (f"slo: {found}, target {budget.target_s * 1e3:.1f} ms ({e.budget_headroom:g} x tbt "
                     f"{cfg.slo.tbt_ms:g} ms), at most {e.max_num_batched_tokens} tokens")
+
+
+def layerwise_every(cfg: ClusterConfig) -> int:
+    """Layers between safepoints of layer-wise preemption: engine.safepoint_layers under ConServe; 0 (off) for the
+    baselines, which preempt at iteration boundaries only."""
+    return cfg.engine.safepoint_layers if cfg.engine.coserving == "conserve" else 0
+
+
+def checkpoint_bytes(cfg: ClusterConfig) -> int:
+    """Host memory for the incremental KV checkpoints of offline requests: engine.checkpoint_mib under ConServe; 0
+    (off) for the baselines, whose preemption is recompute."""
+    return cfg.engine.checkpoint_mib * MIB if cfg.engine.coserving == "conserve" else 0
 
 
 def make_microbatch_former(cfg: ClusterConfig, prof: Profile | None, found: str) -> tuple[MicrobatchFormer, str]:
@@ -114,6 +129,7 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Pooled
             scheduler_config=SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens,
                                              max_num_seqs=e.max_num_seqs,
                                              offline_free_watermark=e.offline_free_watermark,
+                                             coserving=e.coserving,
                                              preemption=overload_handling(cfg.policy.overload).preemption),
             budget=budget, keep_host_copy=e.host_copy)
     except MemoryPoolError as exc:
@@ -123,7 +139,8 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Pooled
     log = get_logger()
     (log.warning if why.startswith("fallback") else log.info)("token_budget", budget=why)
     instance.engine.former, why = make_microbatch_former(cfg, prof, found)
-    instance.engine.enable_layerwise_preemption(e.safepoint_layers, cfg.slo.ttft_ms / 1e3)
+    instance.engine.enable_layerwise_preemption(layerwise_every(cfg), cfg.slo.ttft_ms / 1e3)
+    instance.engine.enable_kv_checkpoint(checkpoint_bytes(cfg))
     (log.warning if why.startswith("fallback") else log.info)("pipeline_microbatches", microbatches=why)
     loop = EngineLoop(instance.engine, num_threads=threads)
     identity = WorkerIdentity(

@@ -144,6 +144,20 @@ class EngineStats:
     # Queue time: arrival (the engine's time.monotonic()) of the oldest waiting request that has not started
     # yet; None when none waits. An arrival, not an age, so a cached snapshot still gives the right age later.
     oldest_waiting_arrival: float | None = None
+    # The offline share (ConServe request classes), each part of the total above: the monitor counts online demand
+    # only (offline work is harvested, the first victim before any parameter drop) and the dispatcher sends
+    # offline work where online work leaves room.
+    num_offline_running: int = 0
+    num_offline_waiting: int = 0
+    offline_kv_blocks_used: int = 0
+    offline_queued_demand_blocks: int = 0
+    oldest_online_waiting_arrival: float | None = None  # oldest_waiting_arrival over online requests only
+    # Incremental KV checkpoints of offline requests (ConServe §4.4; zeros while engine.checkpoint_mib = 0): full
+    # blocks copied to host memory so far, offline preemptions that went by checkpoint (freeing the blocks at once,
+    # recomputing nothing), and the host blocks the checkpoints hold now.
+    checkpointed_blocks_total: int = 0
+    checkpoint_preemptions: int = 0
+    checkpoint_host_blocks: int = 0
 
 
 @dataclass

@@ -33,6 +33,7 @@ import torch
 from kunserve.shared.engine.accounting import BusyIdle, BusyIdleClock
 from kunserve.shared.engine.api import EngineRequest, EngineStats, FinishReason, InvalidRequest, SeqSnapshot, TokenEvent
 from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable, blocks_needed
+from kunserve.shared.engine.kv_checkpoint import Checkpoint, CheckpointStats, KVCheckpointStore
 from kunserve.shared.engine.kv_landing import KVLanding
 from kunserve.shared.engine.kv_storage import KVStorage, TorchKVStorage
 from kunserve.shared.engine.model_runner import ModelRunner
@@ -153,6 +154,11 @@ class Engine:
         self.preempt_offline = threading.Event()
         self.in_flight: IterationInFlight | None = None
         self.layerwise_preemptions = 0
+        # Incremental KV checkpoints of offline requests (ConServe §4.4, kv_checkpoint.py): off until
+        # enable_kv_checkpoint. Requests whose checkpointed KV is being prefetched back run (they hold their blocks
+        # and may be preempted) with nothing to compute until the copy is done (_prefetching).
+        self._ckpt: KVCheckpointStore | None = None
+        self._prefetching: dict[str, Sequence] = {}
 
     # -- requests -------------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -188,7 +194,11 @@ class Engine:
         if self._held.pop(request_id, None) is not None:  # its KV is still being written into its blocks
             self._held_aborted[request_id] = seq.block_table.ids
             return True
+        if self._prefetching.pop(request_id, None) is not None and self._ckpt is not None:
+            self._ckpt.cancel_prefetch(seq.swapped, preempted=False)  # no copy may write into its freed blocks
         self.scheduler.remove(seq)
+        if self._ckpt is not None:
+            self._ckpt.forget(request_id)
         return True
 
     def has_work(self) -> bool:
@@ -210,7 +220,13 @@ class Engine:
     def _step(self) -> list[TokenEvent]:
         if self.link is not None:
             return self._step_pipelined(self.link)
+        if self._prefetching:
+            self._adopt_prefetched(block=False)
+        preemptions = self.scheduler.num_preemptions
         chunks = self.scheduler.schedule()
+        if not chunks and self._prefetching:  # nothing else runs: wait for the KV coming back
+            self._adopt_prefetched(block=True)
+            chunks = self.scheduler.schedule()
         if not chunks:
             return []
         try:
@@ -223,9 +239,10 @@ class Engine:
             if chunk.start == 0 and seq.num_preemptions == 0:
                 self.prompt_tokens_total += len(seq.request.prompt_token_ids)
             seq.num_computed = chunk.start + chunk.num_tokens
-        if not sampled:
-            return []
-        return self._sample(logits, [c.seq for c in sampled])
+        events = self._sample(logits, [c.seq for c in sampled]) if sampled else []
+        if self._ckpt is not None:
+            self._checkpoint_iteration(chunks, preemptions)
+        return events
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenEvent]:
         """One token per row of logits (with its logprobs when the request asked); a row that cannot be sampled
@@ -544,14 +561,104 @@ class Engine:
         seq.swapped = self.export_blocks(seq.block_table.ids[:n], self.runner.start, self.runner.end)
 
     def swap_in(self, seq: Sequence) -> None:
-        """Copy seq's host KV back into its (new) blocks."""
+        """Copy seq's host KV back into its (new) blocks: a swapped copy, or its checkpoint (kv_checkpoint.py)."""
+        if isinstance(seq.swapped, Checkpoint):
+            assert self._ckpt is not None
+            self._ckpt.restore(seq.swapped, seq.block_table.ids[:blocks_needed(seq.swapped_tokens, self.block_size)])
+            seq.swapped = None
+            return
         n = seq.swapped.shape[0] // (self.runner.end - self.runner.start)
         self.import_blocks(seq.block_table.ids[:n], self.runner.start, self.runner.end, seq.swapped)
         seq.swapped = None
 
+    # -- incremental KV checkpointing of offline requests (ConServe §4.4, kv_checkpoint.py) -------------------------
+    def enable_kv_checkpoint(self, capacity_bytes: int) -> None:
+        """Checkpoint offline requests' completed KV blocks into at most capacity_bytes of host memory after every
+        iteration of a whole instance, so their preemption frees their blocks at once and recomputes nothing
+        (0 = off: they are preempted as the scheduler config says). Call it while the engine holds no request."""
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if self.seqs:
+            raise RuntimeError(f"enable_kv_checkpoint with {len(self.seqs)} requests in the engine (their checkpoints "
+                               "would be lost)")
+        if self._ckpt is not None:
+            self._ckpt.reset()  # copies of requests that left may still be running
+        self._ckpt = None
+        if capacity_bytes:  # every layer: only a whole instance checkpoints (a group's KV is spread over its stages)
+            shape, dtype = self.kv_slab()
+            self._ckpt = KVCheckpointStore(self.kv, range(self.cfg.num_layers), shape, dtype, capacity_bytes, self.device)
+        self.scheduler.checkpointer = self if self._ckpt is not None else None
+
+    @property
+    def kv_checkpoint(self) -> KVCheckpointStore | None:
+        return self._ckpt
+
+    def checkpoint_stats(self) -> CheckpointStats | None:
+        """The checkpoints' counters (safe from any thread); None while checkpointing is off."""
+        ckpt = self._ckpt
+        return ckpt.stats() if ckpt is not None else None
+
+    def checkpoint_out(self, seq: Sequence) -> bool:
+        """The scheduler's Checkpointer: preempt offline seq by checkpoint when its checkpoint covers its KV (seq.swapped
+        holds it until swap_in or a prefetch copies it back); False: recompute or swap instead. A pipeline group's
+        head checkpoints nothing (its KV is spread over the group's stages)."""
+        ckpt = self._ckpt
+        if ckpt is None or self.link is not None or not (self.runner.is_first and self.runner.is_last):
+            return False
+        if self._prefetching.pop(seq.request_id, None) is not None:  # preempted again while its KV came back
+            seq.num_computed = seq.swapped_tokens
+            if ckpt.cancel_prefetch(seq.swapped, preempted=True):
+                return True
+            seq.swapped = None
+        got = ckpt.checkpoint_out(seq, self.block_size)
+        if got is None:
+            return False
+        seq.swapped = got
+        return True
+
+    def _checkpoint_iteration(self, chunks: list[ScheduledChunk], preemptions_before: int) -> None:
+        """After an iteration of a whole instance: queue the copies of the blocks its offline requests completed,
+        and prefetch the KV of checkpointed requests the scheduler would re-admit now (not after a preemption in
+        this iteration: memory is short)."""
+        assert self._ckpt is not None
+        live = [c.seq for c in chunks if c.seq.request.offline and self.seqs.get(c.seq.request_id) is c.seq]
+        self._ckpt.after_iteration(live, self.block_size)
+        if self.scheduler.num_preemptions != preemptions_before:
+            return
+        while (seq := self.scheduler.next_to_prefetch()) is not None and isinstance(seq.swapped, Checkpoint):
+            blocks = self.scheduler.readmit_arriving(seq)
+            self._ckpt.prefetch(seq.swapped, blocks)
+            self._prefetching[seq.request_id] = seq
+
+    def _adopt_prefetched(self, *, block: bool) -> None:
+        """The requests whose prefetch is done compute again from where they were (block: wait for every prefetch).
+        A prefetch that failed makes its request recompute instead."""
+        assert self._ckpt is not None
+        for rid, seq in list(self._prefetching.items()):
+            ck = seq.swapped
+            if not self._ckpt.ready(ck, wait=block):
+                continue
+            del self._prefetching[rid]
+            seq.swapped = None
+            if ck.failed:
+                self._ckpt.forget(rid)
+                self.scheduler.remove(seq)  # frees its blocks
+                seq.swapped_tokens = 0
+                self.scheduler.add(seq)
+                continue
+            seq.num_computed, seq.swapped_tokens = seq.swapped_tokens, 0
+
+    def _settle_checkpoints(self) -> None:
+        """No checkpoint copy in flight and every prefetched request computing again: before the KV memory is remapped
+        or compacted and before the requests are snapshotted, preempted all at once or forgotten."""
+        if self._ckpt is not None:
+            self._ckpt.drain()
+            self._adopt_prefetched(block=True)
+
     # -- layout transitions -----------------------------------------------------------------------------
     def snapshot(self) -> list[SeqSnapshot]:
         """Every request's state in FCFS order (call with nothing in flight: see drain_inflight)."""
+        self._settle_checkpoints()
         out = []
         for seq in sorted(self.seqs.values(), key=lambda s: s.order):
             gen = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else b""
@@ -569,6 +676,9 @@ class Engine:
     def clear(self) -> None:
         """Forget every request and free every block, without events (their state was snapshotted): a fresh
         block space of this engine's capacity, and a scheduler holding nothing (its counters go on)."""
+        if self._ckpt is not None:
+            self._settle_checkpoints()
+            self._ckpt.reset()
         self.seqs.clear()
         self._inflight.clear()
         self._plan.clear()
@@ -613,6 +723,10 @@ class Engine:
     def preempt_all(self) -> None:
         """Recompute preemption of every request (their KV is gone or untrusted: a group broke), those whose KV
         was still landing included: no more of it will be written."""
+        if self._ckpt is not None:
+            self._settle_checkpoints()
+            for seq in self.scheduler.running:  # their device KV is not trusted: neither are checkpoints taken from it
+                self._ckpt.forget(seq.request_id)
         self._inflight.clear()
         self._plan.clear()
         self.scheduler.pinned.clear()
@@ -760,6 +874,8 @@ class Engine:
         if reason is not FinishReason.NONE:
             self.seqs.pop(seq.request_id, None)
             self.scheduler.remove(seq)
+            if self._ckpt is not None:
+                self._ckpt.forget(seq.request_id)
         chosen, top = logprobs if logprobs is not None else (None, ())
         return TokenEvent(seq.request_id, token, len(seq.generated) - 1, reason, logprob=chosen, top_logprobs=top)
 
@@ -768,6 +884,7 @@ class Engine:
         """Follow kv_storage.num_blocks after the pool remapped pages: grow the allocator at the tail, or
         shrink it when the tail blocks are free (else BlockAllocatorError: compact first). Returns the
         new block count. Call between steps."""
+        self._settle_checkpoints()
         new = self._capacity()
         old = self.allocator.num_blocks
         if new > old:
@@ -779,6 +896,7 @@ class Engine:
     def release_weights(self) -> None:
         """Drop every reference to the weights before the pool unmaps their pages; nothing computes until
         use_weights()."""
+        self._settle_checkpoints()
         self.runner.release()
 
     def use_weights(self, weights: Weights, layer_range: tuple[int, int]) -> None:
@@ -794,6 +912,7 @@ class Engine:
     def apply_compaction(self, mapping: dict[int, int]) -> None:
         """After the KV bytes of blocks were moved (old id -> new id), rewrite the bookkeeping: the
         allocator's free set and every sequence's block table."""
+        self._settle_checkpoints()
         self.allocator.remap(mapping)
         for seq in self.seqs.values():
             seq.block_table.remap(mapping)
@@ -805,13 +924,27 @@ class Engine:
 
     def stats(self) -> EngineStats:
         sch = self.scheduler
+        queued = sch.queued_demand_blocks()
+        offline_running, offline_waiting = sch.num_offline()
         return EngineStats(
             kv_blocks_total=self.allocator.num_blocks, kv_blocks_used=self.allocator.num_used, block_size=self.block_size,
-            num_running=len(sch.running), num_waiting=len(sch.waiting), queued_demand_blocks=sch.queued_demand_blocks(),
+            num_running=len(sch.running), num_waiting=len(sch.waiting), queued_demand_blocks=queued,
             num_preemptions=sch.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
             generated_tokens_total=self.generated_tokens_total,
             oldest_waiting_arrival=sch.oldest_waiting_arrival(),
+            num_offline_running=offline_running, num_offline_waiting=offline_waiting,
+            offline_kv_blocks_used=sch.offline_kv_blocks(),
+            offline_queued_demand_blocks=queued - sch.online_queued_demand_blocks(),
+            oldest_online_waiting_arrival=sch.oldest_online_waiting_arrival(),
+            **self._checkpoint_counts(),
         )
+
+    def _checkpoint_counts(self) -> dict[str, int]:
+        ck = self.checkpoint_stats()
+        if ck is None:
+            return {}
+        return {"checkpointed_blocks_total": ck.blocks_checkpointed, "checkpoint_preemptions": ck.preemptions,
+                "checkpoint_host_blocks": ck.host_blocks_used}
 
     # -- convenience for tests and benchmarks -------------------------------------------------------------
     def generate(self, requests: Iterable[EngineRequest], max_steps: int = 1_000_000) -> dict[str, list[int]]:

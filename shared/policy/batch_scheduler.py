@@ -37,12 +37,15 @@ An offline request never takes memory from an online one. In phase 1 one that fi
 waits with its KV (Algorithm 1 stops offline scheduling when memory is short): the next online request to
 leave frees some, while preempting another offline request would throw that one's KV away. In phase 2 they
 follow the newest-first rule above among themselves. With no offline request the schedule is exactly the
-class-blind one above. Every preemption goes through `preempt`: the one place where an offline request's
-KV could be kept elsewhere (checkpointed) instead of freed.
+class-blind one above. Every preemption goes through `preempt`: with the engine's incremental KV checkpoints
+(`checkpointer`, shared/engine/kv_checkpoint.py) an offline request whose KV is in host memory leaves by
+checkpoint there (its blocks are freed at once, nothing is recomputed) and waits like a swapped-out one; the
+engine prefetches its KV back once memory lets `schedule()` re-admit it (`next_to_prefetch`, `readmit_arriving`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,6 +107,15 @@ class SchedulerConfig:
     # instead of preempting offline requests, whose KV a recompute preemption throws away: a tenth of the cache
     # holds several typical prompts, while offline decodes still grow into it.
     offline_free_watermark: float = 0.1
+    # How offline requests share the engine (COSERVING_MODES; the baselines of ConServe §6 beside it):
+    #   "conserve": Algorithm 1 as described above;
+    #   "preemptive" (vLLM-style priority): Algorithm 1's order and offline-first preemption, but a new offline
+    #   request is admitted greedily (admission_watermark only, no offline_free_watermark), so online arrivals
+    #   preempt it, losing its KV to recompute;
+    #   "non-preemptive": class-blind: every request is scheduled as an online one (its class is dropped on entry),
+    #   FCFS, so nothing is preempted or held back for its class.
+    # The worker pairs both baselines with the fixed budget and no layer-wise preemption (services/worker/build.py).
+    coserving: str = "conserve"
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -115,9 +127,12 @@ class SchedulerConfig:
             raise ValueError(f"offline_free_watermark must be in [0, 1), got {self.offline_free_watermark}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption!r}")
+        if self.coserving not in COSERVING_MODES:
+            raise ValueError(f"coserving must be one of {', '.join(COSERVING_MODES)}, got {self.coserving!r}")
 
 
 PREEMPTION_MODES = ("recompute", "swap", "none")
+COSERVING_MODES = ("conserve", "preemptive", "non-preemptive")
 
 _arrival_counter = itertools.count()
 
@@ -128,6 +143,15 @@ class Swapper(Protocol):
     def swap_out(self, seq: Sequence) -> None: ...
 
     def swap_in(self, seq: Sequence) -> None: ...
+
+
+class Checkpointer(Protocol):
+    """Preempts an offline sequence by checkpoint (the engine's incremental KV checkpoints, kv_checkpoint.py)."""
+
+    def checkpoint_out(self, seq: Sequence) -> bool:
+        """True when seq's KV is in host memory now (seq.swapped holds it) and its blocks may be freed; False: the
+        preemption goes on as configured."""
+        ...
 
 
 @dataclass(eq=False)
@@ -225,6 +249,8 @@ class Scheduler:
         self.pinned: dict[int, int] = {}
         self.swapper: Swapper | None = None  # set by the engine for preemption = "swap"
         self.num_swapped_out = 0
+        self.checkpointer: Checkpointer | None = None  # set by the engine while it checkpoints offline KV
+        self.num_checkpointed_out = 0
 
     def reset(self, allocator: BlockAllocator) -> None:
         """Hold no sequence and schedule over `allocator` from now on (a layout change gave the engine a new
@@ -259,11 +285,19 @@ class Scheduler:
                                                f"capacity of {total * self.block_size} tokens")
 
     def add(self, seq: Sequence) -> None:
+        self._class_blind(seq)
         self._insert(self.waiting, seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A request whose KV is already in place (a transition handed it over with its block table)."""
+        self._class_blind(seq)
         self._insert(self.running, seq)
+
+    def _class_blind(self, seq: Sequence) -> None:
+        """coserving = "non-preemptive": the request enters as an online one (a copy of its request: the caller's
+        keeps its class), so the scheduler and the engine treat it exactly like one."""
+        if self.config.coserving == "non-preemptive" and seq.request.offline:
+            seq.request = dataclasses.replace(seq.request, offline=False)
 
     @staticmethod
     def _insert(queue: list[Sequence], seq: Sequence) -> None:
@@ -287,9 +321,14 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop its KV; it re-prefills prompt + generated tokens later. With
-        preemption = "swap" its computed KV is first copied to host memory (swapped back on re-admission)."""
+        preemption = "swap" its computed KV is first copied to host memory (swapped back on re-admission). An offline
+        seq whose KV the checkpointer holds leaves by checkpoint whatever the mode: swapped back the same way."""
         self.running.remove(seq)
-        if self.config.preemption == "swap" and self.swapper is not None and seq.num_computed > 0:
+        if (seq.request.offline and self.checkpointer is not None and seq.num_computed > 0
+                and self.checkpointer.checkpoint_out(seq)):
+            seq.swapped_tokens = seq.num_computed
+            self.num_checkpointed_out += 1
+        elif self.config.preemption == "swap" and self.swapper is not None and seq.num_computed > 0:
             computed = seq.num_computed
             self.swapper.swap_out(seq)
             seq.swapped_tokens = computed
@@ -366,7 +405,8 @@ class Scheduler:
         if seq.request.offline:
             if not self.running:
                 return 0
-            return int(max(cfg.offline_free_watermark, cfg.admission_watermark) * self.allocator.num_blocks)
+            offline_watermark = cfg.offline_free_watermark if cfg.coserving == "conserve" else 0.0
+            return int(max(offline_watermark, cfg.admission_watermark) * self.allocator.num_blocks)
         if any(not s.request.offline for s in self.running):
             return int(cfg.admission_watermark * self.allocator.num_blocks)
         return 0
@@ -538,6 +578,30 @@ class Scheduler:
         seq.swapped_tokens = 0
         return True
 
+    # -- prefetching checkpointed offline requests (ConServe §4.4: the engine's kv_checkpoint.py) --------------------
+    def next_to_prefetch(self) -> Sequence | None:
+        """The waiting offline request whose KV is away (swapped or checkpointed) that schedule() would re-admit
+        first, when it may now: no online request waits, it heads the offline queue (FCFS) and its blocks fit beside
+        the offline watermark. The engine copies a checkpointed one's KV back in the background meanwhile."""
+        if any(not s.request.offline for s in self.waiting):
+            return None
+        seq = next((s for s in self.waiting if s.request.offline), None)
+        if seq is None or seq.swapped is None:
+            return None
+        need = blocks_needed(seq.swapped_tokens, self.block_size)
+        return seq if need + self._keep_free(seq) <= self.allocator.num_free else None
+
+    def readmit_arriving(self, seq: Sequence) -> list[int]:
+        """Re-admit a waiting seq while its KV is still copied back into its new blocks (returned): it runs and holds
+        them, so it is preempted like any running request when memory runs short, but has nothing to compute until
+        the engine sets its num_computed to swapped_tokens once its KV has arrived (num_computed = every token
+        meanwhile, as for a request whose tokens are in flight)."""
+        self.waiting.remove(seq)
+        seq.block_table.extend(self.allocator.allocate(blocks_needed(seq.swapped_tokens, self.block_size)))
+        seq.num_computed = len(seq.tokens)
+        self._insert(self.running, seq)
+        return list(seq.block_table.ids)
+
     def oldest_waiting_arrival(self) -> float | None:
         """Arrival of the longest-waiting request that has produced no token yet (its client still waits for
         the first one): the head-of-line queue time the overload signal counts. Preempted requests that
@@ -549,3 +613,22 @@ class Scheduler:
     def queued_demand_blocks(self) -> int:
         """KV blocks the waiting requests need to (re-)prefill: the router's and monitor's demand signal."""
         return sum(blocks_needed(len(s.tokens), self.block_size) for s in self.waiting)
+
+    # -- the offline share, for the monitor's overload signal: offline work is harvested, never a reason to drop --
+    def oldest_online_waiting_arrival(self) -> float | None:
+        """`oldest_waiting_arrival` over online requests only: offline ones have no TTFT SLO to miss."""
+        return min((s.request.arrival_time for s in self.waiting
+                    if not s.request.offline and not s.generated and s.request.arrival_time > 0), default=None)
+
+    def online_queued_demand_blocks(self) -> int:
+        """`queued_demand_blocks` over online requests only: waiting offline requests take only what online
+        ones leave, so they are no demand a parameter drop should serve."""
+        return sum(blocks_needed(len(s.tokens), self.block_size) for s in self.waiting if not s.request.offline)
+
+    def offline_kv_blocks(self) -> int:
+        """KV blocks offline requests hold: an online request takes them before anything else (preemption)."""
+        return sum(len(s.block_table) for s in (*self.running, *self.waiting) if s.request.offline)
+
+    def num_offline(self) -> tuple[int, int]:
+        """(running, waiting) offline requests."""
+        return sum(s.request.offline for s in self.running), sum(s.request.offline for s in self.waiting)

@@ -117,9 +117,30 @@ class WorkerReport:
     idle_seconds_total: float = 0.0
     bubble_seconds_total: float = 0.0
     bubble_ratio: float = 0.0
+    # The offline share (ConServe request classes), each part of the total above: the policies count online demand
+    # only, since offline work runs on what online work leaves and is the first victim before any drop.
+    num_offline_running: int = 0
+    num_offline_waiting: int = 0
+    offline_kv_blocks_used: int = 0       # of kv_blocks_used
+    offline_queued_demand_blocks: int = 0  # of queued_demand_blocks
+    oldest_online_waiting_age_s: float = 0.0  # oldest_waiting_age_s over online requests only
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "unit_members", tuple(self.unit_members))
+
+    @property
+    def online_kv_blocks_used(self) -> int:
+        return self.kv_blocks_used - self.offline_kv_blocks_used
+
+    @property
+    def online_queued_demand_blocks(self) -> int:
+        return self.queued_demand_blocks - self.offline_queued_demand_blocks
+
+    @property
+    def online_waiting_age_s(self) -> float:
+        """Queue time of the oldest online request that has not started: with no offline request waiting, every
+        waiting request is online (a report that carries no class breakdown says the same)."""
+        return self.oldest_online_waiting_age_s if self.num_offline_waiting else self.oldest_waiting_age_s
 
     @property
     def worker_id(self) -> str:

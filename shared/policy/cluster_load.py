@@ -2,7 +2,8 @@
 
 Overload follows Llumnix/KunServe: an instance is overloaded when the KV blocks in use plus the
 demand of its head-of-line queued requests exceed its capacity, or (what its clients see) when its oldest
-request that has not started has waited longer than ``max_head_wait_s`` (the TTFT SLO).
+request that has not started has waited longer than ``max_head_wait_s`` (the TTFT SLO). Online requests only,
+as in `kunserve.shared.policy.overload`: offline ones run on what online ones leave, their blocks count as free.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class ClusterStatus:
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     queued_demand_blocks: int = 0
-    overloaded: bool = False           # some unit's used + head-of-line queued demand > capacity
+    overloaded: bool = False           # some unit's online used + head-of-line queued demand > capacity
 
 
 @dataclass
@@ -85,8 +86,8 @@ class ClusterLoad:
                    for wid, t in self._workers.items() if now - t.received_at <= self.stale_after_s)
 
     def is_overloaded(self, s: WorkerReport) -> bool:
-        return (s.kv_blocks_used + s.queued_demand_blocks > s.kv_blocks_total
-                or s.oldest_waiting_age_s > self.max_head_wait_s)
+        return (s.online_kv_blocks_used + s.online_queued_demand_blocks > s.kv_blocks_total
+                or s.online_waiting_age_s > self.max_head_wait_s)
 
     def status(self, now: float, wall_now: float) -> ClusterStatus:
         workers: list[WorkerStatus] = []

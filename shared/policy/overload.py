@@ -1,7 +1,10 @@
 """When to drop and when to restore: the monitor's overload policy. Pure: time comes in as an argument.
 
 Units are what the dispatcher routes to: an undropped instance or a pipeline group. Per unit, in KV blocks
-of the whole model:
+of the whole model, counting **online** work only (ConServe request classes): offline requests run on what
+online ones leave and are preempted first, so their KV counts as free and their queue as no demand, and an
+offline backlog never asks for a drop (an online request takes an offline one's blocks before a drop could
+help it). ``used`` and ``queued`` below are the online requests'; with no offline work they are everything:
 
 - **overloaded** (Llumnix-style): ``used + head-of-line queued demand > capacity``: the request at the head
   of its queue cannot be admitted; or its clients wait too long: the oldest request that has not started has
@@ -14,7 +17,9 @@ of the whole model:
   queued demand as the paper states).
 - **underloaded**: a dropped group whose ``used + queued`` stays below ``restore_threshold`` (50%) of its
   undropped capacity (the capacity its members have as full instances) for ``restore_hold_s`` → restore
-  it (KunServe §4.4).
+  it (KunServe §4.4). Offline KV is harvested here too, but a restore must place every request's KV in the
+  instances it splits into, so a group whose KV of every class (``used_blocks``) exceeds its undropped capacity
+  is not restored yet: the transition would be refused.
 
 Hysteresis so it never flaps: one action at a time (after a decision the policy waits for ``complete()``,
 or ``action_timeout_s``); no restore within ``restore_cooldown_s`` of a drop; no drop within
@@ -38,17 +43,27 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class UnitLoad:
     unit_id: str
-    used_blocks: int
+    used_blocks: int                   # every class
     total_blocks: int                  # capacity now (after drops)
-    queued_demand_blocks: int = 0      # all waiting requests' prompts
-    head_demand_blocks: int | None = None  # the head-of-line request's demand; None: unknown, use queued
+    queued_demand_blocks: int = 0      # all waiting requests' prompts, every class
+    head_demand_blocks: int | None = None  # the online head-of-line request's demand; None: unknown, use online queued
     undropped_total_blocks: int | None = None  # capacity of its members as full instances; None = total
     members: int = 1                   # instances in the unit (> 1: a dropped pipeline group)
-    head_wait_s: float = 0.0           # how long its oldest not-yet-started request has waited (queue time)
+    head_wait_s: float = 0.0           # how long its oldest not-yet-started online request has waited (queue time)
+    offline_used_blocks: int = 0       # of used_blocks, those offline requests hold
+    offline_queued_demand_blocks: int = 0  # of queued_demand_blocks, the waiting offline requests'
+
+    @property
+    def online_used(self) -> int:
+        return self.used_blocks - self.offline_used_blocks
+
+    @property
+    def online_queued(self) -> int:
+        return self.queued_demand_blocks - self.offline_queued_demand_blocks
 
     @property
     def head_demand(self) -> int:
-        return self.queued_demand_blocks if self.head_demand_blocks is None else self.head_demand_blocks
+        return self.online_queued if self.head_demand_blocks is None else self.head_demand_blocks
 
     @property
     def undropped_total(self) -> int:
@@ -56,12 +71,19 @@ class UnitLoad:
 
     @property
     def overloaded(self) -> bool:
-        """KV-blocked: the head-of-line request's demand does not fit (the queue-time half is the policy's)."""
-        return self.used_blocks + self.head_demand > self.total_blocks
+        """KV-blocked: the online head-of-line request's demand does not fit even in the blocks offline requests
+        would give up (the queue-time half is the policy's)."""
+        return self.online_used + self.head_demand > self.total_blocks
 
     @property
     def usage(self) -> int:
-        return self.used_blocks + self.queued_demand_blocks
+        """Online load: what online requests hold and wait for (offline KV counts as free)."""
+        return self.online_used + self.online_queued
+
+    @property
+    def restorable_kv(self) -> bool:
+        """Every request's KV, offline included, fits the undropped capacity a restore splits the unit into."""
+        return self.used_blocks <= self.undropped_total
 
 
 @dataclass(frozen=True)
@@ -115,11 +137,11 @@ class OverloadPolicy:
     def requirement(self, loads: Iterable[UnitLoad]) -> int:
         over = [u for u in loads if self.overloaded(u)]
         if self.config.requirement == "queued":
-            base = sum(u.queued_demand_blocks for u in over)
+            base = sum(u.online_queued for u in over)
         else:
             # A unit overloaded by queue time alone needs room for what waits there (its queued demand).
-            base = sum(max(0, u.usage - u.total_blocks) if u.overloaded else u.queued_demand_blocks for u in over)
-            base = max(base, sum(u.used_blocks + u.head_demand - u.total_blocks for u in over if u.overloaded))
+            base = sum(max(0, u.usage - u.total_blocks) if u.overloaded else u.online_queued for u in over)
+            base = max(base, sum(u.online_used + u.head_demand - u.total_blocks for u in over if u.overloaded))
         margin = math.ceil(self.config.margin_frac * sum(u.total_blocks for u in over))
         return base + margin if over else 0
 
@@ -135,7 +157,8 @@ class OverloadPolicy:
             if uid not in present:
                 del self._below_since[uid]
         for u in loads:
-            low = u.members > 1 and not self.overloaded(u) and u.usage < cfg.restore_threshold * u.undropped_total
+            low = (u.members > 1 and not self.overloaded(u) and u.usage < cfg.restore_threshold * u.undropped_total
+                   and u.restorable_kv)
             if low:
                 self._below_since.setdefault(u.unit_id, now)
             else:

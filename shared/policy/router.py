@@ -5,7 +5,14 @@ complete pipeline group, and then its report carries the load of the unit it hea
 
 freeness(worker) = free KV blocks - blocks demanded by its queued requests - blocks of requests
 this dispatcher routed there that the worker's last report does not yet include.
-The most-free healthy, *serving* worker gets the request.
+The most-free healthy, *serving* worker gets an online request.
+
+An offline request (ConServe's batch class) runs on what online work leaves, so it goes where that is
+largest (`choose_offline`): first a worker where its prompt fits in the freeness now (it starts at once
+instead of queueing behind offline work already there), then the one with the fewest online requests
+(the most of its token budget and memory stays with offline work, and the fewest online arrivals preempt
+it), then the most free. A worker with idle capacity (room and no online request) is thus never passed
+over for a busier one.
 
 Two notions are kept apart:
 
@@ -34,12 +41,14 @@ class RoutingLoad:
     healthy: bool = False
     report_time: float = 0.0  # dispatcher clock when the report was taken (the poll was sent)
     serving: bool = True  # routable: a whole instance or the head of a complete pipeline group
+    online_requests: int = 0  # online requests it runs or queues
 
 
 @dataclass
 class _Pending:
     blocks: int
     routed_at: float
+    offline: bool = False
 
 
 @dataclass
@@ -84,6 +93,11 @@ class FreenessRouter:
         load = self.workers.get(worker_id)
         return load is not None and load.healthy and load.serving
 
+    def online_requests(self, worker_id: str) -> int:
+        """Online requests it has: those its last report counts and those routed there since."""
+        pending = sum(not p.offline for p in self._pending.get(worker_id, {}).values())
+        return self.workers[worker_id].online_requests + pending
+
     def choose(self, exclude: set[str] | frozenset[str] = frozenset()) -> str | None:
         best, best_free = None, -math.inf
         for wid in sorted(self.workers):
@@ -94,17 +108,35 @@ class FreenessRouter:
                 best, best_free = wid, f
         return best
 
+    def choose_offline(self, num_tokens: int, exclude: set[str] | frozenset[str] = frozenset()) -> str | None:
+        """Where an offline request of `num_tokens` tokens (prompt + the next one) has the most slack: see the
+        module's docstring. Ties go to the lowest id."""
+        best, best_key = None, None
+        for wid in sorted(self.workers):
+            if wid in exclude or not self.routable(wid):
+                continue
+            free = self.freeness(wid)
+            key = (free >= _blocks(num_tokens, self.workers[wid].block_size), -self.online_requests(wid), free)
+            if best_key is None or key > best_key:
+                best, best_key = wid, key
+        return best
+
     def may_become_routable(self, exclude: set[str] | frozenset[str] = frozenset()) -> bool:
         """Some worker outside `exclude` is alive (healthy), so waiting for a routable one makes sense
         (it is forming a group, dropped layers, or refused a request moments ago). False when every
         candidate is dead or excluded: waiting would only delay the error."""
         return any(load.healthy for wid, load in self.workers.items() if wid not in exclude)
 
-    def routed(self, worker_id: str, request_id: str, num_tokens: int, now: float) -> None:
+    def routed(self, worker_id: str, request_id: str, num_tokens: int, now: float, *, offline: bool = False) -> None:
         """Count a request routed to `worker_id` at `now` (the dispatcher clock at routing, which is
         what later reports are compared with) until a report taken after `now` includes it."""
-        bs = max(1, self.workers[worker_id].block_size) if worker_id in self.workers else 16
-        self._pending.setdefault(worker_id, {})[request_id] = _Pending(-(-num_tokens // bs), now)
+        bs = self.workers[worker_id].block_size if worker_id in self.workers else 16
+        self._pending.setdefault(worker_id, {})[request_id] = _Pending(_blocks(num_tokens, bs), now, offline)
 
     def done(self, worker_id: str, request_id: str) -> None:
         self._pending.get(worker_id, {}).pop(request_id, None)
+
+
+def _blocks(num_tokens: int, block_size: int) -> int:
+    bs = max(1, block_size)
+    return -(-num_tokens // bs)

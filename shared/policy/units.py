@@ -7,7 +7,8 @@ layer), or a pipeline group (workers reporting one ``unit_id``, listed in ``unit
 Load of a unit, in KV blocks (one block = ``block_size`` tokens of one request, over every layer the unit
 runs):
 
-- **whole instance**: its own ``kv_blocks_used / kv_blocks_total / queued_demand_blocks``.
+- **whole instance**: its own ``kv_blocks_used / kv_blocks_total / queued_demand_blocks`` and the offline
+  share of the first and the last (the policy counts online demand only).
 - **pipeline group**: every request's KV spans all members (each member keeps that request's KV for its own
   layers), and the head schedules with one block-id space that is valid on every member. So the group's
   capacity is *not* the sum of its members' blocks: it is the head's ``kv_blocks_total``, and the head's
@@ -126,7 +127,9 @@ def _build_one(uid: str, claimants: list[WorkerReport],
         head_demand_blocks=None,                  # reports carry all queued demand, not the head-of-line's
         undropped_total_blocks=undropped,
         members=len(members),
-        head_wait_s=head.oldest_waiting_age_s,    # the head owns the unit's queue
+        head_wait_s=head.online_waiting_age_s,    # the head owns the unit's queue
+        offline_used_blocks=head.offline_kv_blocks_used,
+        offline_queued_demand_blocks=head.offline_queued_demand_blocks,
     )
     return UnitView(Unit(uid, tuple(r.member for r in reports)), load, epochs.pop()), ""
 

@@ -20,7 +20,8 @@ _REPORT_FIELDS = (
     "num_layers_model", "serving", "transitioning", "epoch", "address", "timestamp_unix_s", "kv_blocks_total",
     "kv_blocks_used", "kv_blocks_undropped", "queued_demand_blocks", "block_size", "num_running", "num_waiting",
     "num_preemptions", "prompt_tokens_total", "generated_tokens_total", "oldest_waiting_age_s",
-    "busy_seconds_total", "idle_seconds_total", "bubble_seconds_total", "bubble_ratio",
+    "busy_seconds_total", "idle_seconds_total", "bubble_seconds_total", "bubble_ratio", "num_offline_running",
+    "num_offline_waiting", "offline_kv_blocks_used", "offline_queued_demand_blocks", "oldest_online_waiting_age_s",
 )
 
 
@@ -73,15 +74,19 @@ def busy_idle_fields(b: BusyIdle) -> dict[str, float]:
 
 
 def engine_stats_to_pb(s: EngineStats, now: float | None = None, **extra: Any) -> common_pb2.WorkerStats:
-    """`now`: the engine's clock (time.monotonic()) at which the oldest waiting request's age is taken; the
+    """`now`: the engine's clock (time.monotonic()) at which the oldest waiting requests' ages are taken; the
     default is the current time, so a snapshot the engine cached an iteration ago still reports the age now."""
-    if s.oldest_waiting_arrival is None:
-        age = 0.0
-    else:
-        age = max(0.0, (time.monotonic() if now is None else now) - s.oldest_waiting_arrival)
+    at = time.monotonic() if now is None else now
+
+    def age(arrival: float | None) -> float:
+        return 0.0 if arrival is None else max(0.0, at - arrival)
+
     return common_pb2.WorkerStats(
         kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used, block_size=s.block_size,
         num_running=s.num_running, num_waiting=s.num_waiting, queued_demand_blocks=s.queued_demand_blocks,
         num_preemptions=s.num_preemptions, prompt_tokens_total=s.prompt_tokens_total,
-        generated_tokens_total=s.generated_tokens_total, oldest_waiting_age_s=age, **extra,
+        generated_tokens_total=s.generated_tokens_total, oldest_waiting_age_s=age(s.oldest_waiting_arrival),
+        num_offline_running=s.num_offline_running, num_offline_waiting=s.num_offline_waiting,
+        offline_kv_blocks_used=s.offline_kv_blocks_used, offline_queued_demand_blocks=s.offline_queued_demand_blocks,
+        oldest_online_waiting_age_s=age(s.oldest_online_waiting_arrival), **extra,
     )
