@@ -44,8 +44,8 @@ from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.weights import Weights
 from kunserve.shared.policy.batch_scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence, TokenBudget
 from kunserve.shared.policy.costmodel import BatchShape
-from kunserve.shared.policy.group_latency import GroupLatencyModel
 from kunserve.shared.policy.layerwise_preemption import IterationInFlight, should_preempt
+from kunserve.shared.policy.measured_latency import MeasuredLatencyModel
 from kunserve.shared.policy.microbatch import DecodeSplit, Microbatch, MicrobatchFormer, MicroChunk
 from kunserve.shared.policy.token_budget import SLOTokenBudget
 
@@ -85,7 +85,7 @@ class _Shipped:
     chunks: list[ScheduledChunk]
     sampled: list[ScheduledChunk]
     sent_at: float  # perf_counter() when shipped
-    shape: BatchShape  # for the group's measured step (group_latency.py)
+    shape: BatchShape  # for the group's measured step (measured_latency.py)
 
 
 class Engine:
@@ -131,10 +131,12 @@ class Engine:
         self.link: PipelineLink | None = None
         self.kv_limit: int | None = None
         self._inflight: collections.deque[_Shipped] = collections.deque()
-        # ConServe's budget in a group: the whole-instance budget, kept while this engine heads a group whose
-        # measured step (group_latency.py) budgets its microbatches instead.
-        self._whole_budget: TokenBudget | None = None
-        self._group_latency: GroupLatencyModel | None = None
+        # ConServe's SLO budget runs under the measured latency (measured_latency.py) of this engine's role: its
+        # iterations as a whole instance, its microbatches' round trips as a group head. The configured budget is
+        # what each role starts from.
+        self._configured_budget = self.scheduler.budget
+        self._latency: MeasuredLatencyModel | None = None
+        self._budget_for(None)
         # How the head cuts a long queue into microbatches (KunServe §4.3); None: the scheduler's token chunking.
         # The worker sets it from engine.lookahead and its cost-model profile (services/worker/build.py).
         self.former: MicrobatchFormer | None = None
@@ -223,12 +225,15 @@ class Engine:
         if self._prefetching:
             self._adopt_prefetched(block=False)
         preemptions = self.scheduler.num_preemptions
+        t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks and self._prefetching:  # nothing else runs: wait for the KV coming back
             self._adopt_prefetched(block=True)
+            t0 = time.perf_counter()
             chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        scheduled, cuts = chunks, self.layerwise_preemptions
         try:
             logits, sampled, chunks = self._forward(chunks)
         except Exception as exc:  # a fault computing this batch: its requests fail, the engine goes on
@@ -240,6 +245,8 @@ class Engine:
                 self.prompt_tokens_total += len(seq.request.prompt_token_ids)
             seq.num_computed = chunk.start + chunk.num_tokens
         events = self._sample(logits, [c.seq for c in sampled]) if sampled else []
+        if self._latency is not None and self.layerwise_preemptions == cuts:  # a cut iteration ends early
+            self._latency.observe(BatchShape.of((c.num_tokens, c.start) for c in scheduled), time.perf_counter() - t0)
         if self._ckpt is not None:
             self._checkpoint_iteration(chunks, preemptions)
         return events
@@ -485,8 +492,8 @@ class Engine:
             if logits is None:
                 break
             shipped = self._inflight.popleft()
-            if self._group_latency is not None:
-                self._group_latency.observe(shipped.shape, time.perf_counter() - shipped.sent_at)
+            if self._latency is not None:
+                self._latency.observe(shipped.shape, time.perf_counter() - shipped.sent_at)
             chunks, sampled = shipped.chunks, shipped.sampled
             for chunk in chunks:
                 self.scheduler.unpin(chunk.seq)
@@ -800,18 +807,16 @@ class Engine:
         self._budget_for(None)
 
     def _budget_for(self, link: PipelineLink | None) -> None:
-        """A group head budgets its microbatches under its group's measured step (group_latency.py) when its
-        budget has a latency model (ConServe's); anything else keeps the whole instance's budget."""
-        if self._whole_budget is not None:
-            self.scheduler.use_budget(self._whole_budget)
-            self._whole_budget = None
-            self._group_latency = None
-        budget = self.scheduler.budget
-        if link is None or not isinstance(budget, SLOTokenBudget):
+        """The budget of a role: the configured one, under a fresh measured latency when it has a latency model
+        (ConServe's SLO budget): a whole instance's iterations, or as a group head its microbatches' round trips,
+        assumed until measured to take the number of stages times the profile's prediction (no overlap)."""
+        budget = self._configured_budget
+        if not isinstance(budget, SLOTokenBudget):
+            self._latency = None
+            self.scheduler.use_budget(budget)
             return
-        self._whole_budget = budget
-        self._group_latency = GroupLatencyModel(budget.model, stages=max(1, link.max_inflight))
-        self.scheduler.use_budget(dataclasses.replace(budget, model=self._group_latency))
+        self._latency = MeasuredLatencyModel(budget.model, assumed_scale=float(max(1, link.max_inflight)) if link else 1.0)
+        self.scheduler.use_budget(dataclasses.replace(budget, model=self._latency))
 
     def _take_role(self, link: PipelineLink | None, kv_limit: int | None, seqs: Iterable[SeqSnapshot],
                    landing: KVLanding | None = None) -> None:

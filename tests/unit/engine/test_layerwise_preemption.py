@@ -18,7 +18,7 @@ from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine, SchedulerConfig
 from kunserve.shared.model.architecture import TINY_CONFIG
 from kunserve.shared.policy.costmodel import ConServeLatencyModel
-from kunserve.shared.policy.group_latency import GroupLatencyModel
+from kunserve.shared.policy.measured_latency import MeasuredLatencyModel
 from kunserve.shared.policy.token_budget import SLOTokenBudget
 
 CFG = TINY_CONFIG  # 4 layers
@@ -122,12 +122,27 @@ def test_a_group_head_budgets_under_its_measured_step_and_gets_its_own_budget_ba
     whole.use_weights(weights_for(CFG), (0, 2))
     whole.become_head(link, 48, [])
     budget = whole.scheduler.budget
-    assert isinstance(budget, SLOTokenBudget) and isinstance(budget.model, GroupLatencyModel)
+    assert isinstance(budget, SLOTokenBudget) and isinstance(budget.model, MeasuredLatencyModel)
     group = budget.model
-    assert group.stages == 2 and group.scale == 2.0 and group.base == model
+    assert group.assumed_scale == 2 and group.scale == 2.0 and group.base == model
     whole.add_request(EngineRequest("r", list(range(1, 30)), SamplingParams(max_tokens=6, ignore_eos=True)))
     while whole.has_work():
         whole.step()
     assert group.observations >= 6 and group.scale != 2.0, "the measured round trips replaced the assumption"
     whole.leave_group()
-    assert whole.scheduler.budget == SLOTokenBudget(model, tbt_s=0.2)
+    back = whole.scheduler.budget
+    assert isinstance(back, SLOTokenBudget) and back.tbt_s == 0.2 and isinstance(back.model, MeasuredLatencyModel)
+    assert back.model.base == model and back.model.assumed_scale == 1 and back.model.observations == 0
+
+
+def test_a_whole_instance_budgets_under_its_measured_iterations():
+    """A profile that predicts 10x too little: once measured, the budget admits what really fits the SLO."""
+    truth = ConServeLatencyModel(k1=8.8e-5, k2=6e-8, k3=0.0, k4=9.6e-7, k5=3.2e-3)
+    optimistic = ConServeLatencyModel(k1=truth.k1 / 10, k2=truth.k2 / 10, k3=0.0, k4=truth.k4 / 10, k5=truth.k5 / 10)
+    eng = Engine(CFG, weights_for(CFG), num_kv_blocks=96, block_size=8, scheduler_config=SCHED,
+                 budget=SLOTokenBudget(optimistic, tbt_s=0.05))
+    latency = eng.scheduler.budget.model
+    assert isinstance(latency, MeasuredLatencyModel) and latency.scale == 1.0
+    offline, _ = _requests()
+    eng.generate([clone(r) for r in offline])
+    assert latency.observations > 0 and latency.scale > 1.0, "slower than the optimistic profile says"
