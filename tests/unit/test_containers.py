@@ -1,4 +1,5 @@
-"""Static checks of the container setup (fast, offline): compose.yaml, docker/Dockerfile*, .dockerignore.
+"""Static checks of the container setup (fast, offline): compose.yaml, docker/Dockerfile*, .dockerignore, and the
+observability profile's Prometheus scrape config and Grafana provisioning (deploy/prometheus, deploy/grafana).
 
 The real run (build, compose up, a generation checked against the reference engine) is `make compose-test`.
 """
@@ -64,7 +65,9 @@ def interpolate(value, environ: dict[str, str] | None = None):
 
 COMPOSE_RAW = _load_yaml(COMPOSE_FILE)
 COMPOSE = interpolate(COMPOSE_RAW)
-SERVICES: dict[str, dict] = COMPOSE["services"]
+ALL_SERVICES: dict[str, dict] = COMPOSE["services"]
+OBSERVABILITY_SERVICES = {n: s for n, s in ALL_SERVICES.items() if "observability" in (s.get("profiles") or [])}
+SERVICES = {n: s for n, s in ALL_SERVICES.items() if n not in OBSERVABILITY_SERVICES}  # the KunServe containers
 DEFAULT_SERVICES = {n: s for n, s in SERVICES.items() if not s.get("profiles")}
 GPU_SERVICES = {n: s for n, s in SERVICES.items() if "gpu" in (s.get("profiles") or [])}
 
@@ -152,14 +155,14 @@ def test_compose_cli_accepts_the_file(cli):
     probe = subprocess.run([*cli, "version"], capture_output=True, text=True, timeout=60, env=env)
     if probe.returncode != 0:
         pytest.skip(f"{' '.join(cli)} is not available: {probe.stderr.strip()[:200]}")
-    for extra in ([], ["--profile", "gpu"]):
+    for extra in ([], ["--profile", "gpu"], ["--profile", "observability"]):
         proc = subprocess.run([*cli, "-f", str(COMPOSE_FILE), *extra, "config", "--services"], capture_output=True,
                               text=True, timeout=120, env=env, cwd=ROOT)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         listed = set(proc.stdout.split())
         assert set(DEFAULT_SERVICES) <= listed
         if extra:
-            assert set(GPU_SERVICES) <= listed
+            assert set(GPU_SERVICES if extra[1] == "gpu" else OBSERVABILITY_SERVICES) <= listed
 
 
 # -- compose.yaml -----------------------------------------------------------------------------------------
@@ -174,7 +177,7 @@ def test_one_service_per_process():
 def test_only_keys_that_compose_v1_29_accepts():
     top = {k for k in COMPOSE_RAW if not k.startswith("x-")}
     assert top <= V1_TOP_LEVEL, f"top-level keys Compose v1.29 rejects: {top - V1_TOP_LEVEL}"
-    for name, svc in SERVICES.items():
+    for name, svc in ALL_SERVICES.items():
         extra = set(svc) - V1_SERVICE_KEYS
         assert not extra, f"{name}: keys outside the Compose v1.29 set: {extra}"
         deps = svc.get("depends_on") or {}
@@ -192,13 +195,14 @@ def test_service_commands_are_console_scripts():
 
 
 def test_depends_on_resolves_and_waits_for_health():
-    for name, svc in SERVICES.items():
+    for name, svc in ALL_SERVICES.items():
         deps = svc.get("depends_on") or {}
         assert isinstance(deps, dict), f"{name}: use the long depends_on form with conditions"
         for dep, spec in deps.items():
-            assert dep in SERVICES, f"{name} depends on unknown service {dep!r}"
+            assert dep in ALL_SERVICES, f"{name} depends on unknown service {dep!r}"
             assert spec.get("condition") == "service_healthy", f"{name} -> {dep}"
-            assert not SERVICES[dep].get("profiles"), f"{name} depends on {dep}, which only a profile enables"
+            assert set(ALL_SERVICES[dep].get("profiles") or []) <= set(svc.get("profiles") or []), \
+                f"{name} depends on {dep}, which only a profile that does not start {name} enables"
     # No cycles.
     state: dict[str, int] = {}
 
@@ -207,11 +211,11 @@ def test_depends_on_resolves_and_waits_for_health():
         if state.get(n) == 2:
             return
         state[n] = 1
-        for d in SERVICES[n].get("depends_on") or {}:
+        for d in ALL_SERVICES[n].get("depends_on") or {}:
             visit(d)
         state[n] = 2
 
-    for n in SERVICES:
+    for n in ALL_SERVICES:
         visit(n)
     # The control plane does not wait for particular worker containers, so the gpu profile's workers can
     # stand in for the CPU ones.
@@ -312,6 +316,90 @@ def test_gpu_profile_reserves_one_gpu_per_worker_on_the_cuda_image():
     assert len(device_ids) == len(set(device_ids)), "each worker gets its own GPU"
     for svc in DEFAULT_SERVICES.values():
         assert "deploy" not in svc, "the default (CPU) services reserve no GPU"
+
+
+# -- the observability profile: Prometheus and Grafana ----------------------------------------------------------
+def bind_mounts(service: dict) -> dict[str, pathlib.Path]:
+    """Container path -> host path of a service's (read-only) bind mounts."""
+    mounts = {}
+    for vol in service.get("volumes") or []:
+        source, target, *mode = vol.split(":")
+        assert source.startswith("./") and mode == ["ro"], f"{vol}: a read-only file of the repository"
+        assert (ROOT / source).exists(), f"{vol}: {source} does not exist"
+        mounts[target] = (ROOT / source).resolve()
+    return mounts
+
+
+def mounted_file(service: dict, host_file: pathlib.Path) -> str:
+    """Where a repository file appears in a service's container (mounted itself or inside a mounted directory)."""
+    for target, source in bind_mounts(service).items():
+        if source == host_file:
+            return target
+        if source in host_file.parents:
+            return f"{target}/{host_file.relative_to(source)}"
+    raise AssertionError(f"{host_file} is not mounted")
+
+
+def test_observability_profile_runs_pinned_prometheus_and_grafana_on_loopback():
+    assert set(OBSERVABILITY_SERVICES) == {"prometheus", "grafana"}
+    for name, svc in OBSERVABILITY_SERVICES.items():
+        assert svc["profiles"] == ["observability"], f"{name}: `docker compose up` alone does not start it"
+        image, _, tag = svc["image"].partition(":")
+        assert image == {"prometheus": "prom/prometheus", "grafana": "grafana/grafana"}[name]
+        assert re.fullmatch(r"v?\d+\.\d+\.\d+", tag), f"{name}: a pinned release, not {tag or 'latest'!r}"
+        for spec in svc["ports"]:
+            assert str(spec).startswith("127.0.0.1:"), f"{name}: published on 127.0.0.1 only ({spec})"
+        bind_mounts(svc)
+    assert "healthcheck" in OBSERVABILITY_SERVICES["prometheus"], "grafana waits for a ready Prometheus"
+
+
+def prometheus_config() -> dict:
+    svc = OBSERVABILITY_SERVICES["prometheus"]
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in svc["command"])
+    target = flags["config.file"]
+    host = bind_mounts(svc)[target]
+    assert host == ROOT / "deploy" / "prometheus" / "prometheus.yml", "Prometheus reads the repository's scrape config"
+    return _load_yaml(host)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 18 item 1 (Prometheus metrics) is not built: no service has a "
+                   "metrics_port yet; remove this mark when it lands")
+def test_prometheus_scrapes_every_kunserve_service_on_its_configured_metrics_port():
+    cfg = prometheus_config()
+    scraped: dict[str, str] = {}
+    for job in cfg["scrape_configs"]:
+        assert job.get("metrics_path", "/metrics") == "/metrics"
+        for static in job["static_configs"]:
+            for target in static["targets"]:
+                assert target not in scraped, f"{target} is scraped twice"
+                scraped[target] = job["job_name"]
+    expected = {}
+    for name, svc in DEFAULT_SERVICES.items():
+        section, kind = section_of(svc)
+        assert section.bind == "0.0.0.0", f"{name}: its metrics port must be reachable from the prometheus container"
+        assert hasattr(section, "metrics_port"), f"{name}: the config has no {kind}.metrics_port"
+        expected[f"{name}:{section.metrics_port}"] = f"kunserve-{kind}"
+    assert scraped == expected, "one target per KunServe container: its compose name and its config's metrics_port"
+    for name, svc in GPU_SERVICES.items():  # the gpu profile's workers answer to the CPU workers' names and ports
+        section, _ = section_of(svc)
+        assert f"{svc['networks']['default']['aliases'][0]}:{section.metrics_port}" in scraped, name
+
+
+def test_grafana_provisions_the_profiles_prometheus_and_the_dashboard():
+    grafana, prometheus = OBSERVABILITY_SERVICES["grafana"], OBSERVABILITY_SERVICES["prometheus"]
+    assert grafana["depends_on"] == {"prometheus": {"condition": "service_healthy"}}
+    provisioning = ROOT / "deploy" / "grafana" / "provisioning"
+    assert mounted_file(grafana, provisioning) == "/etc/grafana/provisioning", "Grafana's provisioning directory"
+    (datasource,) = _load_yaml(provisioning / "datasources" / "prometheus.yaml")["datasources"]
+    prometheus_port = int(str(prometheus["ports"][0]).split(":")[-1])
+    assert datasource["url"] == f"http://prometheus:{prometheus_port}", "the profile's Prometheus, by service name"
+    assert datasource["type"] == "prometheus" and datasource["isDefault"] is True
+    assert datasource["jsonData"]["timeInterval"] == prometheus_config()["global"]["scrape_interval"]
+    (provider,) = _load_yaml(provisioning / "dashboards" / "kunserve.yaml")["providers"]
+    assert provider["type"] == "file"
+    dashboard = mounted_file(grafana, ROOT / "deploy" / "grafana" / "kunserve-dashboard.json")
+    assert dashboard.rsplit("/", 1)[0] == provider["options"]["path"], "the provider loads the mounted dashboard"
+    assert env_of(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == dashboard
 
 
 # -- Dockerfiles ---------------------------------------------------------------------------------------------
