@@ -1,5 +1,6 @@
-"""OpenAI's Files and Batch API on the HTTP front: `POST /v1/files` (multipart, purpose "batch"), `GET
-/v1/files/{id}` and `/content`, `POST /v1/batches`, `GET /v1/batches[/{id}]`, `POST /v1/batches/{id}/cancel`.
+"""OpenAI's Files and Batch API on the HTTP front: `POST /v1/files` (multipart, purpose "batch"), `GET /v1/files`
+(list), `GET /v1/files/{id}` and `/content`, `DELETE /v1/files/{id}`,
+`POST /v1/batches`, `GET /v1/batches[/{id}]`, `POST /v1/batches/{id}/cancel`.
 
 The objects have OpenAI's fields (openai.types.Batch, FileObject), so the official SDK's
 `files.create` / `batches.create` / `batches.retrieve` / `files.content` work as they do against OpenAI. Files
@@ -16,7 +17,7 @@ from aiohttp import BodyPartReader, web
 
 from kunserve.services.dispatcher import openai_api as oa
 from kunserve.services.dispatcher.batch_format import BatchFormatError
-from kunserve.services.dispatcher.batch_service import DEFAULT_LIST_LIMIT, Batches
+from kunserve.services.dispatcher.batch_service import DEFAULT_LIST_LIMIT, MAX_FILES_LIST, Batches
 from kunserve.services.dispatcher.batch_store import BatchInfo, Conflict, FileInfo, NotFound, StoreError, StoreUnavailable
 
 UPLOAD_CHUNK = 1 << 16
@@ -49,6 +50,14 @@ def batch_object(b: BatchInfo, model: str) -> dict[str, Any]:
             "metadata": b.metadata}
 
 
+def _limit(request: web.Request, default: int) -> int:
+    raw = request.query.get("limit", str(default))
+    try:
+        return int(raw)
+    except ValueError:
+        raise oa.ApiError(400, f"limit: must be an integer, got {raw!r}", param="limit") from None
+
+
 def _string(body: dict[str, Any], key: str, required: bool = True) -> str:
     v = body.get(key)
     if v is None and not required:
@@ -65,7 +74,9 @@ class BatchRoutes:
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/files", self.upload)
+        app.router.add_get("/v1/files", self.list_files)
         app.router.add_get("/v1/files/{file_id}", self.file)
+        app.router.add_delete("/v1/files/{file_id}", self.delete_file)
         app.router.add_get("/v1/files/{file_id}/content", self.file_content)
         app.router.add_post("/v1/batches", self.create)
         app.router.add_get("/v1/batches", self.list_batches)
@@ -113,6 +124,25 @@ class BatchRoutes:
             raise _api_error(exc) from None
         return web.Response(body=content, content_type="application/octet-stream")
 
+    async def list_files(self, request: web.Request) -> web.Response:
+        limit = _limit(request, MAX_FILES_LIST)
+        try:
+            files, more = await self.batches.list_files(limit, request.query.get("after", ""),
+                                                        request.query.get("purpose", ""))
+        except (BatchFormatError, StoreError) as exc:
+            raise _api_error(exc) from None
+        data = [file_object(f) for f in files]
+        return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                                  "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+    async def delete_file(self, request: web.Request) -> web.Response:
+        file_id = request.match_info["file_id"]
+        try:
+            await self.batches.delete_file(file_id)
+        except StoreError as exc:
+            raise _api_error(exc) from None
+        return web.json_response({"id": file_id, "object": "file", "deleted": True})
+
     async def create(self, request: web.Request) -> web.Response:
         try:
             body = await request.json()
@@ -138,11 +168,7 @@ class BatchRoutes:
             raise _api_error(exc) from None
 
     async def list_batches(self, request: web.Request) -> web.Response:
-        raw = request.query.get("limit", str(DEFAULT_LIST_LIMIT))
-        try:
-            limit = int(raw)
-        except ValueError:
-            raise oa.ApiError(400, f"limit: must be an integer, got {raw!r}", param="limit") from None
+        limit = _limit(request, DEFAULT_LIST_LIMIT)
         try:
             batches, more = await self.batches.list_batches(limit, request.query.get("after", ""))
         except (BatchFormatError, StoreError) as exc:

@@ -38,6 +38,7 @@ from kunserve.v1 import batch_pb2, batch_pb2_grpc
 
 DEFAULT_LIST_LIMIT = 20
 MAX_LIST_LIMIT = 100
+MAX_FILES_LIST = 10_000  # OpenAI's bound (and default) for GET /v1/files
 RESULTS_PAGE = 1000
 
 
@@ -126,6 +127,14 @@ class Batches:
 
     async def file_content(self, file_id: str) -> bytes:
         return await asyncio.to_thread(self.store.file_content, file_id)
+
+    async def list_files(self, limit: int, after: str = "", purpose: str = "") -> tuple[list[FileInfo], bool]:
+        if not 1 <= limit <= MAX_FILES_LIST:
+            raise BatchFormatError(f"limit: must be 1 to {MAX_FILES_LIST}, got {limit}", param="limit")
+        return await asyncio.to_thread(self.store.list_files, limit, after, purpose)
+
+    async def delete_file(self, file_id: str) -> None:
+        await asyncio.to_thread(self.store.delete_file, file_id)
 
 
 def batch_to_pb(b: BatchInfo) -> batch_pb2.Batch:

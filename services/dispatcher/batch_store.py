@@ -267,6 +267,40 @@ class BatchStore:
             raise NotFound(f"no file {file_id!r}")
         return bytes(row[0])
 
+    def list_files(self, limit: int, after: str = "", purpose: str = "") -> tuple[list[FileInfo], bool]:
+        """Newest first, up to `limit`, after the file `after` (OpenAI's cursor), only `purpose` when given; and
+        whether more follow."""
+        with self._read() as db:
+            if db is None:
+                if after:
+                    raise NotFound(f"no file {after!r}")
+                return [], False
+            where: list[str] = []
+            args: list[Any] = []
+            if after:
+                row = db.execute("SELECT rowid FROM files WHERE id = ?", (after,)).fetchone()
+                if row is None:
+                    raise NotFound(f"no file {after!r}")
+                where.append("rowid < ?")
+                args.append(row[0])
+            if purpose:
+                where.append("purpose = ?")
+                args.append(purpose)
+            clause = f"WHERE {' AND '.join(where)}" if where else ""
+            rows = db.execute(f"SELECT id, created_at, filename, purpose, bytes FROM files {clause} "
+                              "ORDER BY rowid DESC LIMIT ?", [*args, limit + 1]).fetchall()
+        return [FileInfo(*r) for r in rows[:limit]], len(rows) > limit
+
+    def delete_file(self, file_id: str) -> None:
+        """Forget a file. The input file of a stored batch stays while the batch does (the batch refers to it;
+        OpenAI would let it go); a batch's output and error files may go, its counts and results stay."""
+        with self._write() as db:
+            used = db.execute("SELECT id FROM batches WHERE input_file_id = ? LIMIT 1", (file_id,)).fetchone()
+            if used is not None:
+                raise Conflict(f"file {file_id!r} is the input of batch {used[0]!r}; it stays while the batch does")
+            if db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount == 0:
+                raise NotFound(f"no file {file_id!r}")
+
     # -- batches ------------------------------------------------------------------------------------------
     def _insert_batch(self, db: sqlite3.Connection, input_file_id: str, endpoint: str, window: str, window_s: int,
                       requests: Sequence[BatchRequest], metadata: Mapping[str, str], now: int) -> str:

@@ -222,6 +222,23 @@ def test_the_openai_sdk_drives_files_and_batches(served):
         api.files.create(file=("tune.jsonl", b"{}"), purpose="fine-tune")
     assert len(api.batches.list().data) == 1  # the refused creates stored no batch
 
+    listed = api.files.list()  # newest first: the refused upload stored nothing, "bad" did
+    assert [x.id for x in listed.data] == [bad.id, b.error_file_id, b.output_file_id, f.id]
+    assert [x.id for x in api.files.list(purpose="batch_output")] == [b.error_file_id, b.output_file_id]
+    page = api.files.with_raw_response.list(extra_query={"limit": 2}).http_response.json()
+    assert [x["id"] for x in page["data"]] == [bad.id, b.error_file_id] and page["has_more"] is True
+    with pytest.raises(openai.BadRequestError, match=f"is the input of batch '{b.id}'"):
+        api.files.delete(f.id)
+    for gone in (bad.id, b.output_file_id):
+        deleted = api.files.delete(gone)
+        assert (deleted.id, deleted.deleted) == (gone, True)
+        with pytest.raises(openai.NotFoundError, match=f"no file '{gone}'"):
+            api.files.retrieve(gone)
+    with pytest.raises(openai.NotFoundError):
+        api.files.delete(bad.id)
+    assert api.batches.retrieve(b.id).request_counts.completed == 3, "a batch outlives its output file"
+    assert [x.id for x in api.files.list()] == [b.error_file_id, f.id]
+
 
 def test_the_batch_cli(served, tmp_path, capsys):
     src = tmp_path / "in.jsonl"
