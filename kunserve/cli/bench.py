@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kunserve import client
 from kunserve.benchkit.calibrate import (
@@ -348,10 +348,11 @@ def _progress(total: int, label: str):
                     TimeElapsedColumn(), transient=False)
 
 
-ReplayFn = Callable[[asyncio.Event, Callable[[RequestResult], None]], Awaitable[ReplayOutcome]]
+_Outcome = TypeVar("_Outcome")
 
 
-def _with_progress(total: int, label: str, stop_flag: list[bool], run: ReplayFn) -> ReplayOutcome:
+def _with_progress(total: int, label: str, stop_flag: list[bool],
+                   run: Callable[[asyncio.Event, Callable[[RequestResult], None]], Awaitable[_Outcome]]) -> _Outcome:
     """Run a replay (`run(stop, on_done)`) under a rich progress bar; `stop_flag[0]` turning True (a signal
     handler) sets `stop`, which interrupts it."""
     progress = _progress(total, label)
@@ -362,7 +363,7 @@ def _with_progress(total: int, label: str, stop_flag: list[bool], run: ReplayFn)
         failed[0] += not r.ok
         progress.update(task, advance=1, info=f"failed {failed[0]}" if failed[0] else "")
 
-    async def main() -> ReplayOutcome:
+    async def main() -> _Outcome:
         stop = asyncio.Event()
 
         async def watch() -> None:
@@ -1099,33 +1100,10 @@ def _coserve_with_progress(trace: Sequence[TraceRequest], offline: Sequence[tupl
                            creds: client.Credentials, args: argparse.Namespace, label: str,
                            stop_flag: list[bool]) -> CoserveOutcome:
     """One run (`run_coserve`) under a progress bar of the online requests; `stop_flag[0]` turning True stops it."""
-    progress = _progress(len(trace), label)
-    task = progress.add_task(label, total=len(trace), info="")
-    failed = [0]
-
-    def done(r: RequestResult) -> None:
-        failed[0] += not r.ok
-        progress.update(task, advance=1, info=f"failed {failed[0]}" if failed[0] else "")
-
-    async def main() -> CoserveOutcome:
-        stop = asyncio.Event()
-
-        async def watch() -> None:
-            while not stop_flag[0]:
-                await asyncio.sleep(0.1)
-            stop.set()
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            return await run_coserve(trace, offline, cfg.dispatcher.address, inflight=args.offline_inflight,
-                                     seed=args.seed, timeout_s=args.request_timeout,
-                                     admin_address=cfg.memory_manager.address, stop=stop, on_online_done=done,
-                                     creds=creds)
-        finally:
-            watcher.cancel()
-
-    with progress:
-        return asyncio.run(main())
+    return _with_progress(len(trace), label, stop_flag, lambda stop, done: run_coserve(
+        trace, offline, cfg.dispatcher.address, inflight=args.offline_inflight, seed=args.seed,
+        timeout_s=args.request_timeout, admin_address=cfg.memory_manager.address, stop=stop, on_online_done=done,
+        creds=creds))
 
 
 def coserve_run_record(outcome: CoserveOutcome, *, policy: str, run: int, cfg: ClusterConfig, window_s: float) -> dict:
