@@ -84,7 +84,7 @@ class _Shipped:
     mb_id: int
     chunks: list[ScheduledChunk]
     sampled: list[ScheduledChunk]
-    sent_at: float  # perf_counter() when shipped
+    sent_at: float  # perf_counter() when the head began it (its own stage is part of the round trip)
     shape: BatchShape  # for the group's measured step (measured_latency.py)
 
 
@@ -425,6 +425,7 @@ class Engine:
         not busy: the later stages compute, the head does not)."""
         shipped = False
         if len(self._inflight) < link.max_inflight:
+            t0 = time.perf_counter()  # the round trip includes this head's own stage
             chunks = self._next_microbatch(link.max_inflight)
             if chunks:
                 batch, ids, sampled = self._build(chunks)
@@ -440,7 +441,7 @@ class Engine:
                         self.prompt_tokens_total += len(seq.request.prompt_token_ids)
                     seq.num_computed = chunk.start + chunk.num_tokens
                     self.scheduler.pin(seq)
-                self._inflight.append(_Shipped(batch.mb_id, chunks, sampled, time.perf_counter(),
+                self._inflight.append(_Shipped(batch.mb_id, chunks, sampled, t0,
                                                BatchShape.of((c.num_tokens, c.start) for c in chunks)))
                 shipped = True
         if shipped:
