@@ -47,6 +47,7 @@ class ServiceSection:
     host: str = "127.0.0.1"  # the address peers use to reach it
     port: int = 0
     bind: str = ""  # address to listen on; empty = host (containers set 0.0.0.0)
+    metrics_port: int = 0  # Prometheus `GET /metrics` (plain HTTP) on the bind host; 0 = none
 
     @property
     def address(self) -> str:
@@ -55,6 +56,10 @@ class ServiceSection:
     @property
     def bind_address(self) -> str:
         return f"{self.bind or self.host}:{self.port}"
+
+    @property
+    def metrics_bind(self) -> tuple[str, int]:
+        return self.bind or self.host, self.metrics_port
 
 
 @dataclass
@@ -68,6 +73,7 @@ class WorkerSection(ServiceSection):
 @dataclass
 class DispatcherSection(ServiceSection):
     port: int = 50051
+    metrics_port: int = 9400
     # How long a request may wait for a routable worker (all busy forming a group, or restarting)
     # before the client gets UNAVAILABLE.
     route_timeout_s: float = 30.0
@@ -105,6 +111,7 @@ class DispatcherSection(ServiceSection):
 @dataclass
 class MemoryManagerSection(ServiceSection):
     port: int = 50052
+    metrics_port: int = 9401
     transition_timeout_s: float = 60.0  # one worker's prepare / execute of a drop or restore
     preconnect: bool = True  # link every worker pair over UCX ahead of the first drop (saves 0.1-0.3 s of it)
     # A worker paused for a transition aborts it on its own after this long without a step or a renewal
@@ -164,6 +171,7 @@ class EngineSection:
 @dataclass
 class MonitorSection(ServiceSection):
     port: int = 50053
+    metrics_port: int = 9402
     stats_interval_s: float = 0.2
     stale_after_s: float = 3.0  # a worker silent for longer is reported unhealthy
     # Parameter-centric overload handling (KunServe §4): drop on overload, restore on underload.
@@ -306,8 +314,8 @@ def _apply(where: str, section: Any, values: Mapping[str, Any]) -> None:
         setattr(section, key, _coerce(f"{where}.{key}", value, getattr(section, key)))
 
 
-def default_workers(n: int, base_port: int = 50061) -> list[WorkerSection]:
-    return [WorkerSection(id=f"worker-{i}", port=base_port + i) for i in range(n)]
+def default_workers(n: int, base_port: int = 50061, base_metrics_port: int = 9410) -> list[WorkerSection]:
+    return [WorkerSection(id=f"worker-{i}", port=base_port + i, metrics_port=base_metrics_port + i) for i in range(n)]
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> ClusterConfig:
@@ -373,6 +381,8 @@ def validate(cfg: ClusterConfig) -> None:
         transfer_port = getattr(svc, "transfer_port", 0)
         if not (0 <= transfer_port < 65536):
             raise ConfigError(f"{src}: {name}.transfer_port must be in [0, 65535], got {transfer_port}")
+        if not (0 <= svc.metrics_port < 65536):
+            raise ConfigError(f"{src}: {name}.metrics_port must be in [0, 65535] (0 = no /metrics), got {svc.metrics_port}")
     e = cfg.engine
     for key in ("block_size", "pool_mib", "page_kib", "max_num_batched_tokens", "max_num_seqs"):
         if getattr(e, key) <= 0:

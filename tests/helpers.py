@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import pathlib
+import re
 import sys
 import tempfile
+from dataclasses import dataclass
 
 import grpc
 
@@ -127,3 +130,25 @@ def check_against_reference(prompt, got: list[int], max_tokens: int) -> None:
     cfg, weights = _embedded_model()
     ref, margins = reference_scores(cfg, weights, list(prompt), list(got))
     compare_greedy(list(got), ref, margins)
+
+
+@dataclass(frozen=True)
+class DocumentedMetric:
+    kind: str                   # gauge | counter | histogram
+    labels: frozenset[str]      # label names (histograms' `le` aside)
+    services: frozenset[str]    # worker | dispatcher | memory manager | monitor
+
+
+def readme_metrics() -> dict[str, DocumentedMetric]:
+    """The README's "Metrics" table: every family the services export (counters with their `_total`)."""
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("`kunserve:"):
+            name, kind, labels, services, _ = cells
+            assert name.strip("`") not in out, f"{name} is in the README's metrics table twice"
+            out[name.strip("`")] = DocumentedMetric(kind, frozenset(re.findall(r"`(\w+)`", labels)),
+                                                    frozenset(s.strip() for s in services.split(",")))
+    return out

@@ -1,7 +1,10 @@
 """`kunctl`: the admin CLI. Talks to the admin port (served by the memory manager: the Admin and
 MemoryManager services share it) with the admin token, found in this order: --token-file,
 $KUNSERVE_ADMIN_TOKEN, the config's [security] admin_token_file (--config / $KUNSERVE_CONFIG), the file
-`kunserve up` writes ($KUNSERVE_HOME/admin-token, default ~/.kunserve/admin-token)."""
+`kunserve up` writes ($KUNSERVE_HOME/admin-token, default ~/.kunserve/admin-token).
+
+Output is for people (tables) and machines (`--json`: 64-bit integers as JSON numbers). Piped into a reader
+that stops early (`kunctl status | head -1`) it exits quietly."""
 
 from __future__ import annotations
 
@@ -9,19 +12,27 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from kunserve import client
 from kunserve.shared.config import ConfigError, load_config
 from kunserve.shared.credentials import ADMIN_TOKEN, default_path
 from kunserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, memory_manager_pb2, memory_manager_pb2_grpc
+
+if TYPE_CHECKING:
+    from rich.console import Group
 
 
 @dataclass(frozen=True)
@@ -155,13 +166,24 @@ def format_groups(status, before=None) -> list[str]:
     return lines
 
 
-def render_status(status, before=None) -> None:
+def _console():
     from rich.console import Console
+
+    # Piped output (scripts, logs) gets a wide table instead of rich's 80-column default.
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 220)
+
+
+def render_status(status, before=None) -> None:
+    _console().print(status_view(status, before))
+
+
+def status_view(status: admin_pb2.AdminStatus, before: admin_pb2.AdminStatus | None = None) -> Group:
+    """The status table, the groups and the cluster's KV line as one rich renderable (printed, or refreshed in
+    place by `kunctl watch`)."""
+    from rich.console import Group
     from rich.markup import escape
     from rich.table import Table
 
-    # Piped output (scripts, logs) gets a wide table instead of rich's 80-column default.
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 220)
     layout = {w.worker_id: w for w in status.layout.workers}
     cl = status.cluster
     t = Table(title=f"KunServe cluster - layout epoch {status.layout.epoch}, "
@@ -190,17 +212,17 @@ def render_status(status, before=None) -> None:
         if wid not in seen:
             t.add_row(wid, lay.address, f"{lay.layer_start}-{lay.layer_end}", lay.group_id,
                       "yes" if lay.serving else "no", "[red]no stats[/]", "-", "-", "-", "-", "-", "-", "-", "-", "-")
-    console.print(t)
+    parts: list[Any] = [t]
     lines = format_groups(status, before)
     if lines:
-        console.print(f"groups (layout epoch {status.layout.epoch}):")
-        for line in lines:
-            console.print("  " + escape(line))
+        parts.append(f"groups (layout epoch {status.layout.epoch}):")
+        parts.extend("  " + escape(line) for line in lines)
     usage = (cl.kv_blocks_used / cl.kv_blocks_total * 100) if cl.kv_blocks_total else 0.0
-    console.print(f"cluster KV: {cl.kv_blocks_used}/{cl.kv_blocks_total} blocks ({usage:.1f}%), queued demand "
-                  f"{cl.queued_demand_blocks} blocks, overloaded: {'[red]yes[/]' if cl.overloaded else 'no'}")
+    parts.append(f"cluster KV: {cl.kv_blocks_used}/{cl.kv_blocks_total} blocks ({usage:.1f}%), queued demand "
+                 f"{cl.queued_demand_blocks} blocks, overloaded: {'[red]yes[/]' if cl.overloaded else 'no'}")
     if status.monitor_error:
-        console.print(f"[yellow]warning[/]: {escape(status.monitor_error)}")
+        parts.append(f"[yellow]warning[/]: {escape(status.monitor_error)}")
+    return Group(*parts)
 
 
 def cmd_status(args: argparse.Namespace) -> None:
@@ -208,7 +230,7 @@ def cmd_status(args: argparse.Namespace) -> None:
         return _rpc(_target(args), lambda stub: stub.GetStatus(common_pb2.Empty(), timeout=args.timeout))
 
     if args.json:
-        print(json.dumps(MessageToDict(fetch(), preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+        print(message_json(fetch()))
         return
     if args.window < 0:
         print("kunctl: --window must be >= 0 seconds", file=sys.stderr)
@@ -218,6 +240,60 @@ def cmd_status(args: argparse.Namespace) -> None:
         before = fetch()
         time.sleep(args.window)
     render_status(fetch(), before)
+
+
+def cmd_watch(args: argparse.Namespace) -> None:
+    if not args.interval > 0:
+        print("kunctl: --interval must be > 0 seconds", file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        asyncio.run(watch(_target(args), args.interval, args.timeout))
+    except KeyboardInterrupt:  # Ctrl-C is how a watch ends
+        pass
+
+
+async def watch(target: Target, interval: float, timeout: float, rounds: int | None = None,
+                stub_cls: Callable[[Any], Any] = admin_pb2_grpc.AdminStub) -> None:
+    """Show the status every `interval` seconds (`rounds` times; None: until interrupted), over one connection.
+    On a terminal the table is redrawn in place; piped, each refresh is printed after the last (as vmstat does).
+    Bubble ratios are over the last interval. An unreachable admin port is shown and retried, not fatal: the
+    memory manager may be restarting."""
+    from rich.live import Live
+    from rich.text import Text
+
+    console = _console()
+    live = Live(console=console, auto_refresh=False) if console.is_terminal else None
+
+    def show(view) -> None:
+        if live is not None:
+            live.update(view, refresh=True)
+        else:
+            console.print(view)
+
+    before = None
+    if live is not None:
+        live.start()
+    try:
+        async with client.admin_channel(target.address, target.creds) as ch:
+            stub = stub_cls(ch)
+            n = 0
+            while rounds is None or n < rounds:
+                if n:
+                    await asyncio.sleep(interval)
+                n += 1
+                stamp = time.strftime("%H:%M:%S")
+                try:
+                    status = await stub.GetStatus(common_pb2.Empty(), timeout=timeout)
+                except grpc.aio.AioRpcError as exc:
+                    show(Text(f"{stamp} kunctl: {exc.code().name}: {exc.details()} (admin address {target.address}); "
+                              f"retrying every {interval:g}s, Ctrl-C to stop"))
+                    before = None
+                    continue
+                show(status_view(status, before))
+                before = status
+    finally:
+        if live is not None:
+            live.stop()
 
 
 def parse_layers(text: str) -> list[int]:
@@ -276,9 +352,50 @@ def render_change(c) -> None:
           + (f", {c.compaction_moves} KV blocks compacted" if c.compaction_moves else ""))
 
 
+_INT64_TYPES = frozenset({FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+                          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64})
+
+
+def message_dict(msg: Message) -> dict[str, Any]:
+    """A message as a dict for --json: every field (defaults too) under its proto name, and 64-bit integers as
+    numbers. Proto3's JSON mapping writes those as strings, for JavaScript's doubles; jq and Python read them
+    exactly, and a script comparing `.layout.epoch > 3` should not have to know which fields are 64-bit."""
+    out = MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    _int64_as_numbers(msg.DESCRIPTOR, out)
+    return out
+
+
+def _int64_as_numbers(desc: Descriptor, d: dict[str, Any]) -> None:
+    for f in desc.fields:
+        if f.name not in d:
+            continue
+        value = d[f.name]
+        kind = f.message_type
+        if kind is not None and kind.GetOptions().map_entry:
+            value_field = kind.fields_by_name["value"]
+            for key, item in value.items():
+                value[key] = _number_or_nested(value_field, item)
+        elif f.is_repeated:
+            d[f.name] = [_number_or_nested(f, item) for item in value]
+        else:
+            d[f.name] = _number_or_nested(f, value)
+
+
+def _number_or_nested(f: FieldDescriptor, value: Any) -> Any:
+    if f.message_type is not None and isinstance(value, dict):
+        _int64_as_numbers(f.message_type, value)
+    elif f.type in _INT64_TYPES:
+        return int(value)
+    return value
+
+
+def message_json(msg: Message) -> str:
+    return json.dumps(message_dict(msg))
+
+
 def _print(msg, as_json: bool, render) -> None:
     if as_json:
-        print(json.dumps(MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+        print(message_json(msg))
     else:
         render(msg)
 
@@ -475,6 +592,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bubble ratios over the next S seconds (the status is sampled twice); 0 = since each worker "
                          "started (default 1.0)")
     st.set_defaults(func=cmd_status)
+    wa = sub.add_parser("watch", help="the status table, refreshed live until Ctrl-C",
+                        description="Show `kunctl status` every --interval seconds, redrawn in place on a terminal "
+                                    "(printed one after another when piped); bubble ratios are over the last interval. "
+                                    "Ctrl-C ends it.")
+    wa.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between refreshes (default 2)")
+    wa.set_defaults(func=cmd_watch)
     mem = sub.add_parser("memory", help="one worker's memory pool: pages per layer (weights, KV), free pages, capacity")
     mem.add_argument("worker", help="worker id, e.g. worker-0")
     mem.add_argument("--json", action="store_true")
@@ -536,7 +659,19 @@ def main(argv: list[str] | None = None) -> None:
             drop_request(None, args.group)
         except ValueError as exc:
             parser.error(f"argument --group: {exc}")
-    args.func(args)
+    try:
+        args.func(args)
+        sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's final flush
+    except BrokenPipeError:
+        reader_went_away()
+
+
+def reader_went_away() -> None:
+    """stdout's reader closed the pipe (`kunctl status | head -1`): exit quietly, with status 1 as rich does for the
+    tables (Python's recipe: point stdout at /dev/null, so that the flush at exit cannot raise again)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -63,12 +63,14 @@ def free_port() -> int:
 
 
 def assign_free_ports(cfg: ClusterConfig) -> None:
-    """Give every service an unused loopback port (tests and side-by-side clusters). Workers' UCX listeners
-    get one too: an ephemeral one picked at start-up could take a port assigned here to a service that
-    has not bound it yet."""
+    """Give every service an unused loopback port (tests and side-by-side clusters), and its metrics endpoint one
+    where it has one. Workers' UCX listeners get one too: an ephemeral one picked at start-up could take a port
+    assigned here to a service that has not bound it yet."""
     for svc in [cfg.dispatcher, cfg.memory_manager, cfg.monitor, *cfg.workers]:
         svc.port = free_port()
         svc.host = "127.0.0.1"
+        if svc.metrics_port:
+            svc.metrics_port = free_port()
     if cfg.dispatcher.http_port:
         cfg.dispatcher.http_port = free_port()
     for w in cfg.workers:
@@ -282,7 +284,9 @@ class LocalCluster:
 
 
 def with_workers(cfg: ClusterConfig, n: int) -> None:
-    """Replace the configured workers with n identical ones on consecutive ports."""
+    """Replace the configured workers with n identical ones on consecutive ports (metrics ports too, unless off)."""
     template = cfg.workers[0] if cfg.workers else WorkerSection(port=50061)
     base_port = template.port or 50061
-    cfg.workers = [dataclasses.replace(template, id=f"worker-{i}", port=base_port + i) for i in range(n)]
+    metrics = template.metrics_port
+    cfg.workers = [dataclasses.replace(template, id=f"worker-{i}", port=base_port + i,
+                                       metrics_port=metrics + i if metrics else 0) for i in range(n)]

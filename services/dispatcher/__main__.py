@@ -13,10 +13,12 @@ from kunserve.services.dispatcher.batch_service import Batches, BatchesServicer
 from kunserve.services.dispatcher.batch_store import BatchStore
 from kunserve.services.dispatcher.http_front import HttpFront, ssl_context_of
 from kunserve.services.dispatcher.limits import limits_from_config
+from kunserve.services.dispatcher.metrics import DispatcherMetrics, admission_families
 from kunserve.services.dispatcher.servicer import DispatcherServicer, WorkerPool
 from kunserve.shared import rpc
 from kunserve.shared.config import ConfigError
 from kunserve.shared.credentials import dispatcher_rules
+from kunserve.shared.metrics import Lazy, MetricsServer, new_registry, serve_metrics
 from kunserve.shared.model.architecture import TINY_CONFIG
 from kunserve.shared.model.chat_template import ChatTemplateError, chat_template_for
 from kunserve.shared.model.generation_config import load_generation_defaults
@@ -71,8 +73,14 @@ def main(argv: list[str] | None = None) -> None:
 
     async def amain() -> None:
         pool = WorkerPool(cfg)
+        registry = new_registry()
         servicer = DispatcherServicer(pool, tokenizer, route_timeout_s=cfg.dispatcher.route_timeout_s,
-                                      limits=limits, generation=generation)
+                                      limits=limits, generation=generation,
+                                      metrics=DispatcherMetrics(registry, max_model_len=limits.context_len))
+        registry.register(Lazy(lambda: admission_families(
+            servicer.admission.inflight, servicer.admission.queued_tokens,
+            sum(1 for w in pool.stubs if pool.router.routable(w)))))
+        metrics: MetricsServer | None = None
         tasks: list[asyncio.Task] = []
         front = HttpFront(servicer, served_model=cfg.model.served_model, model_root=cfg.model.path or "embedded",
                           chat_template=chat_template, chat_template_error=chat_error, api_key=creds.api_key,
@@ -88,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
             batch_pb2_grpc.add_BatchesServicer_to_server(BatchesServicer(batches), server)
 
         async def started() -> None:
+            nonlocal metrics
+            metrics = await serve_metrics(registry, cfg.dispatcher.metrics_bind, "dispatcher.metrics_port")
             healthy = await pool.wait_for_workers(WORKER_WAIT_S)
             log.info("workers_reachable", healthy=healthy, configured=len(cfg.workers))
             tasks.append(asyncio.create_task(pool.poll_forever(ROUTER_POLL_INTERVAL_S)))
@@ -107,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
             for t in tasks:
                 t.cancel()
             await front.stop()
+            if metrics is not None:
+                await metrics.stop()
 
         await rpc.run_service("kunserve.v1.Generation", cfg.dispatcher.bind_address, register,
                               on_started=started, on_shutdown=stopping, auth=dispatcher_rules(creds), tls=creds.tls,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kunserve.services.dispatcher.limits import DispatcherLimits
+from kunserve.services.dispatcher.metrics import DispatcherMetrics
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.log import get_logger
 from kunserve.shared.model.generation_config import GenerationDefaults
@@ -287,8 +288,9 @@ class WorkerPool:
 class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, pool: WorkerPool, tokenizer, route_timeout_s: float = 30.0,
                  max_resumes: int = MAX_RESUMES, limits: DispatcherLimits | None = None,
-                 generation: GenerationDefaults | None = None) -> None:
+                 generation: GenerationDefaults | None = None, metrics: DispatcherMetrics | None = None) -> None:
         self.pool = pool
+        self.metrics = metrics if metrics is not None else DispatcherMetrics()
         self.tokenizer = tokenizer  # None when the model ships no tokenizer: token-id prompts only
         self.generation = generation or GenerationDefaults()  # generation_config.json: EOS ids, sampling defaults
         self.route_timeout_s = route_timeout_s
@@ -459,6 +461,13 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         """Validate, admit and register a request (raises RequestError). From here it counts against the
         admission bounds until `events` has run to its end or was closed, so every open must be followed by
         `events`."""
+        try:
+            return await self._open(request, owner)
+        except RequestError as exc:
+            self.metrics.refused(exc.code.name)
+            raise
+
+    async def _open(self, request: generation_pb2.GenerateRequest, owner: str) -> RequestRecord:
         arrival = time.monotonic()
         if self.stopping:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
@@ -499,7 +508,15 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         expiry = asyncio.get_running_loop().call_later(self.limits.queue_timeout_s, self._queue_expired, record)
         try:
             async for ev in self._serve(record):
+                self.metrics.observe(ev)
                 yield ev
+        except RequestError as exc:
+            self.metrics.failed(exc.code.name)
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            if not record.finished:
+                self.metrics.abandoned()
+            raise
         finally:
             expiry.cancel()
             if record.call is not None:
@@ -585,6 +602,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                     self.log.info("request_moved", request_id=rid, from_worker=wid, to_worker=seg.moved_to,
                                   emitted=len(record.token_ids))
                     attach_to = seg.moved_to
+                    self.metrics.reattaches.inc()
                     continue
                 failures.append(f"{wid}: moved to {seg.moved_to!r}, which cannot be attached")
                 self.log.warning("request_move_unusable", request_id=rid, from_worker=wid, to_worker=seg.moved_to,
@@ -667,6 +685,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                                 f"request {record.request_id!r} lost its worker {record.resumes} times after "
                                 f"{len(record.token_ids)} tokens; gave up after {self.max_resumes} resumes: "
                                 + "; ".join(failures))
+        self.metrics.resumes.inc()
         self.log.warning("request_resuming", request_id=record.request_id, from_worker=wid,
                          emitted=len(record.token_ids), attempt=record.resumes, error=failures[-1] if failures else "")
 

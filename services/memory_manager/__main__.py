@@ -8,6 +8,7 @@ from kunserve.services.common import load_service_config, load_service_credentia
 from kunserve.services.memory_manager.servicer import AdminServicer, MemoryManager, MemoryManagerServicer
 from kunserve.shared import rpc
 from kunserve.shared.credentials import memory_manager_rules
+from kunserve.shared.metrics import MetricsServer, serve_metrics
 from kunserve.shared.policy.overload_policies import overload_handling
 from kunserve.v1 import admin_pb2_grpc, memory_manager_pb2_grpc
 
@@ -21,12 +22,15 @@ def main(argv: list[str] | None = None) -> None:
     async def amain() -> None:
         mm = MemoryManager(cfg)
         tasks: list[asyncio.Task] = []
+        metrics: MetricsServer | None = None
 
         def register(server) -> None:
             memory_manager_pb2_grpc.add_MemoryManagerServicer_to_server(MemoryManagerServicer(mm), server)
             admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(mm), server)
 
         async def started() -> None:
+            nonlocal metrics
+            metrics = await serve_metrics(mm.registry, cfg.memory_manager.metrics_bind, "memory_manager.metrics_port")
             tasks.append(asyncio.create_task(mm.refresh_forever()))
             if overload_handling(cfg.policy.overload).static_pairs:
                 # The static pipeline-parallel baseline: pairs hold half the layers each from the start.
@@ -36,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
         async def stopping() -> None:
             for t in tasks:
                 t.cancel()
+            if metrics is not None:
+                await metrics.stop()
             await mm.close()
 
         await rpc.run_service("kunserve.v1.MemoryManager", cfg.memory_manager.bind_address, register,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from kunserve.shared.wire.transitions import planned_to_pb, unit_to_pb
 from kunserve.v1 import common_pb2, memory_manager_pb2, worker_pb2, worker_pb2_grpc
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class LayoutEpoch(Protocol):
@@ -85,6 +87,35 @@ class OrchestrationError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class TransitionObserver(Protocol):
+    """Told how every drop, restore and migration ended (the memory manager's Prometheus metrics)."""
+
+    def reported(self, report: memory_manager_pb2.TransitionReport) -> None: ...
+
+    def refused(self, op: str, code: str) -> None: ...
+
+
+def _observed(op: str) -> Callable[[Callable[[Orchestrator, R], Awaitable[memory_manager_pb2.TransitionReport]]],
+                                   Callable[[Orchestrator, R], Awaitable[memory_manager_pb2.TransitionReport]]]:
+    """Tell the orchestrator's observers the report of a transition, or the status it was refused with."""
+    def wrap(fn: Callable[[Orchestrator, R], Awaitable[memory_manager_pb2.TransitionReport]]
+             ) -> Callable[[Orchestrator, R], Awaitable[memory_manager_pb2.TransitionReport]]:
+        @functools.wraps(fn)
+        async def run(self: Orchestrator, req: R) -> memory_manager_pb2.TransitionReport:
+            try:
+                report = await fn(self, req)
+            except (OrchestrationError, ValueError) as exc:
+                code = exc.code if isinstance(exc, OrchestrationError) else "INVALID_ARGUMENT"
+                for observer in self.observers:
+                    observer.refused(op, code)
+                raise
+            for observer in self.observers:
+                observer.reported(report)
+            return report
+        return run
+    return wrap
 
 
 @dataclass(frozen=True)
@@ -133,6 +164,7 @@ class Orchestrator:
         self.lock = asyncio.Lock()
         self.running_epoch = 0
         self.started_epochs: set[int] = set()  # transitions this process began (the others are orphans)
+        self.observers: list[TransitionObserver] = []
         self.log = get_logger()
         self._model_cost: planner.ModelCost | None = None
 
@@ -262,6 +294,7 @@ class Orchestrator:
         return reply, view, old_units, new_units
 
     # -- drop / restore / migrate ------------------------------------------------------------------------------
+    @_observed("drop")
     async def drop(self, req: memory_manager_pb2.DropRequest) -> memory_manager_pb2.TransitionReport:
         async with self._exclusive():
             t0 = time.perf_counter()
@@ -278,6 +311,7 @@ class Orchestrator:
             report.autoscale_needed = reply.autoscale_needed
             return report
 
+    @_observed("restore")
     async def restore(self, req: memory_manager_pb2.RestoreRequest) -> memory_manager_pb2.TransitionReport:
         async with self._exclusive():
             t0 = time.perf_counter()
@@ -329,6 +363,7 @@ class Orchestrator:
                 return None
             await asyncio.sleep(0.5)
 
+    @_observed("migrate")
     async def migrate(self, req: memory_manager_pb2.MigrateRequest) -> memory_manager_pb2.TransitionReport:
         async with self._exclusive():
             t0 = time.perf_counter()

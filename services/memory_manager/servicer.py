@@ -10,15 +10,18 @@ import asyncio
 import time
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.epochs import MAX_EPOCH
 from kunserve.shared.log import get_logger
+from kunserve.shared.metrics import Lazy, new_registry
 from kunserve.shared.policy.cluster_layout import LayoutState
 from kunserve.shared.rpc import channel
 from kunserve.shared.wire.cluster_state import layout_entry_from_info, layout_to_pb
 from kunserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc, worker_pb2, worker_pb2_grpc
 
+from .metrics import DropClock, TransitionMetrics, layout_families
 from .orchestrator import OrchestrationError, Orchestrator
 
 LINK_RETRY_S = 10.0  # how long a worker whose transfer links failed is left alone before it is asked again
@@ -39,9 +42,10 @@ def missing_links(infos: dict[str, worker_pb2.WorkerInfo]) -> dict[str, dict[str
 
 
 class MemoryManager:
-    """Owns the layout; refreshes it from the workers' GetInfo."""
+    """Owns the layout; refreshes it from the workers' GetInfo. Its metrics (the layout, the transitions) are in
+    `registry`."""
 
-    def __init__(self, cfg: ClusterConfig) -> None:
+    def __init__(self, cfg: ClusterConfig, registry: CollectorRegistry | None = None) -> None:
         self.cfg = cfg
         self.layout = LayoutState()
         self.log = get_logger()
@@ -53,6 +57,12 @@ class MemoryManager:
         self._infos: dict[str, worker_pb2.WorkerInfo] = {}  # the latest GetInfo of each reachable worker
         self._linking: asyncio.Task | None = None
         self._link_retry_at: dict[str, float] = {}  # a worker whose links failed is asked again after this
+        self.registry = registry if registry is not None else new_registry()
+        self.orchestrator.observers.append(TransitionMetrics(self.registry))
+        self.drop_clock = DropClock()
+        self.registry.register(Lazy(lambda: layout_families(
+            self.layout.epoch, self._infos, len(self._channels), self.drop_clock.seconds(),
+            self.orchestrator.lock.locked())))
 
     @property
     def worker_ids(self) -> list[str]:
@@ -96,6 +106,7 @@ class MemoryManager:
                 self.log.error("layout_inconsistent", worker=worker_id, error=str(exc))
 
         await asyncio.gather(*(one(w) for w in self._channels))
+        self.drop_clock.observe(any(len(i.group_members) > 1 for i in self._infos.values()))
         await self.abort_orphans()
         if self.cfg.memory_manager.preconnect and (self._linking is None or self._linking.done()):
             now = time.monotonic()

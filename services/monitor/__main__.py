@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 from kunserve.services.common import load_service_config, load_service_credentials, service_arg_parser
+from kunserve.services.monitor.metrics import monitor_families
 from kunserve.services.monitor.servicer import GrpcMemoryManager, MonitorServicer, OverloadController, overload_config_from
 from kunserve.shared import rpc
 from kunserve.shared.credentials import internal_rules
+from kunserve.shared.metrics import Lazy, MetricsServer, new_registry, serve_metrics
 from kunserve.shared.policy.overload_policies import overload_handling
 from kunserve.v1 import monitor_pb2_grpc
 
@@ -28,17 +32,25 @@ def main(argv: list[str] | None = None) -> None:
                                             interval_s=cfg.monitor.policy_interval_s, mode=action)
         else:
             log.info("auto_drop_disabled", policy=cfg.policy.overload, auto_drop=cfg.monitor.auto_drop)
+        registry = new_registry()
+        registry.register(Lazy(lambda: monitor_families(servicer.load.status(time.monotonic(), time.time()),
+                                                        controller.counters if controller is not None else None)))
+        metrics: MetricsServer | None = None
 
         def register(server) -> None:
             monitor_pb2_grpc.add_MonitorServicer_to_server(servicer, server)
 
         async def started() -> None:
+            nonlocal metrics
+            metrics = await serve_metrics(registry, cfg.monitor.metrics_bind, "monitor.metrics_port")
             if controller is not None:
                 controller.start()
 
         async def stopping() -> None:
             if controller is not None:
                 await controller.stop()
+            if metrics is not None:
+                await metrics.stop()
 
         await rpc.run_service("kunserve.v1.Monitor", cfg.monitor.bind_address, register,
                               on_started=started, on_shutdown=stopping, auth=internal_rules(creds),

@@ -8,11 +8,13 @@ import sys
 
 from kunserve.services.common import load_service_config, load_service_credentials, service_arg_parser
 from kunserve.services.worker.build import WorkerBuildError, build_worker
+from kunserve.services.worker.metrics import IterationMetrics, worker_families
 from kunserve.services.worker.reporter import report_stats_forever
 from kunserve.services.worker.servicer import WorkerServicer
 from kunserve.shared import rpc
 from kunserve.shared.credentials import internal_rules
 from kunserve.shared.faults import fault_armed
+from kunserve.shared.metrics import Lazy, MetricsServer, new_registry, serve_metrics
 from kunserve.shared.transfer.service import TransferService
 from kunserve.v1 import worker_pb2_grpc
 
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     # NOT_SERVING once the engine died, or while one iteration has run far longer than any should (hung without
     # raising: a group head waits at most transition_timeout_s for a stage's result before it heals)
     stuck_s = max(ENGINE_STUCK_S, 2 * cfg.memory_manager.transition_timeout_s)
+    registry = new_registry()
+    engine_loop.engine.on_schedule = IterationMetrics(registry, args.worker_id).scheduled
 
     async def amain() -> None:
         wsec = cfg.worker(args.worker_id)
@@ -59,11 +63,16 @@ def main(argv: list[str] | None = None) -> None:
         servicer = WorkerServicer(identity, engine_loop, instance, transfer,
                                   cfg.memory_manager.transition_timeout_s)
         tasks: list[asyncio.Task] = []
+        registry.register(Lazy(lambda: worker_families(servicer.current_stats())))
+        metrics: MetricsServer | None = None
 
         def register(server) -> None:
             worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
 
         async def started() -> None:
+            nonlocal metrics
+            index = [w.id for w in cfg.workers].index(args.worker_id)
+            metrics = await serve_metrics(registry, wsec.metrics_bind, f"workers[{index}].metrics_port")
             engine_loop.start()
             if servicer.transitions is not None and cfg.engine.warm_staging:
                 tasks.append(asyncio.create_task(servicer.transitions.keep_staging_warm()))
@@ -73,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         async def stopping() -> None:
             for t in tasks:
                 t.cancel()
+            if metrics is not None:
+                await metrics.stop()
             await servicer.shutdown()
             if transfer is not None:
                 await transfer.close()

@@ -25,7 +25,7 @@ import dataclasses
 import random
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -161,6 +161,9 @@ class Engine:
         # and may be preempted) with nothing to compute until the copy is done (_prefetching).
         self._ckpt: KVCheckpointStore | None = None
         self._prefetching: dict[str, Sequence] = {}
+        # Called on the engine thread with every iteration's (a head's: microbatch's) scheduled chunks before they
+        # compute: the worker's Prometheus metrics (tokens per iteration, queue time) read what was scheduled.
+        self.on_schedule: Callable[[list[ScheduledChunk]], None] | None = None
 
     # -- requests -------------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -233,6 +236,8 @@ class Engine:
             chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        if self.on_schedule is not None:
+            self.on_schedule(chunks)
         scheduled, cuts = chunks, self.layerwise_preemptions
         try:
             logits, sampled, chunks = self._forward(chunks)
@@ -428,6 +433,8 @@ class Engine:
             t0 = time.perf_counter()  # the round trip includes this head's own stage
             chunks = self._next_microbatch(link.max_inflight)
             if chunks:
+                if self.on_schedule is not None:
+                    self.on_schedule(chunks)
                 batch, ids, sampled = self._build(chunks)
                 try:
                     hidden = self._run_local(batch, torch.tensor(ids, dtype=torch.long))

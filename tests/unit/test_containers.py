@@ -362,8 +362,6 @@ def prometheus_config() -> dict:
     return _load_yaml(host)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18 item 1 (Prometheus metrics) is not built: no service has a "
-                   "metrics_port yet; remove this mark when it lands")
 def test_prometheus_scrapes_every_kunserve_service_on_its_configured_metrics_port():
     cfg = prometheus_config()
     scraped: dict[str, str] = {}

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from helpers import readme_metrics
 
 from kunserve.shared.config import ClusterConfig, ServiceSection, load_config
 from kunserve.shared.credentials import ADMIN_TOKEN, CLUSTER_SECRET
@@ -416,9 +417,8 @@ DASHBOARD = json.loads(DASHBOARD_FILE.read_text())
 
 
 def documented_metrics() -> dict[str, str]:
-    """Every metric family the services export, with its type. To be read from the README's metrics table once the
-    services export them (issue 18, item 1); until then the names agreed for it, DOCUMENTED_METRICS."""
-    return DOCUMENTED_METRICS
+    """Every metric family the services export, with its type: the README's metrics table."""
+    return {name: m.kind for name, m in readme_metrics().items()}
 
 
 def metric_references(expr: str) -> list[str]:
@@ -517,14 +517,3 @@ def test_dashboard_is_a_well_formed_grafana_model():
     names = {a["name"] for a in d["annotations"]["list"]}
     assert {"Drops", "Restores"} <= names, "drop periods are marked on every time series"
 
-
-DOCUMENTED_METRICS = {
-    "kunserve:num_requests_running": "gauge", "kunserve:num_requests_waiting": "gauge",
-    "kunserve:kv_cache_usage_perc": "gauge", "kunserve:kv_blocks_used": "gauge", "kunserve:kv_blocks_total": "gauge",
-    "kunserve:num_preemptions_total": "counter", "kunserve:prompt_tokens_total": "counter",
-    "kunserve:generation_tokens_total": "counter", "kunserve:bubble_ratio": "gauge",
-    "kunserve:time_to_first_token_seconds": "histogram", "kunserve:inter_token_latency_seconds": "histogram",
-    "kunserve:e2e_request_latency_seconds": "histogram", "kunserve:request_queue_time_seconds": "histogram",
-    "kunserve:layout_epoch": "gauge", "kunserve:drops_total": "counter", "kunserve:restores_total": "counter",
-    "kunserve:drop_duration_seconds": "histogram", "kunserve:restore_duration_seconds": "histogram",
-}
