@@ -49,10 +49,16 @@ def test_text_prompt_streams_text_and_timing(cluster):
 def test_kunctl_status_shows_worker_stats(cluster):
     # Traffic first, so the counters are non-zero.
     run(generate_many(cluster.cfg.dispatcher.address, [client.make_request([1, 2, 3], max_tokens=4)]))
-    time.sleep(0.5)
-    out = subprocess.run(kunctl_argv(cluster, "status", "--json"), capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    status = json.loads(out.stdout)
+    # The memory manager refreshes its layout from the workers every second; one that was not accepting
+    # connections at its first refresh joins the layout at a later one: wait (bounded) for both.
+    deadline = time.monotonic() + 30
+    while True:
+        out = subprocess.run(kunctl_argv(cluster, "status", "--json"), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        status = json.loads(out.stdout)
+        if len(status["layout"]["workers"]) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     workers = {w["stats"]["worker_id"]: w for w in status["cluster"]["workers"]}
     assert set(workers) == {"worker-0", "worker-1"}
     assert all(w["healthy"] for w in workers.values())
