@@ -14,6 +14,9 @@ workers' schedulers see it as offline work to harvest idle capacity with.
   ran gets an error line, and the batch ends.
 * On start-up it simply continues: everything without a result is pending in the store, including what was
   running when the process died, and runs (again). The store keeps one result per request.
+* Every attempt has a request id of its own, `<batch id>-<index>-<attempt>` (the store counts attempts durably):
+  after a quick restart the previous attempt may still run on a worker, and reusing its id would be refused as a
+  duplicate. ALREADY_EXISTS is still "not now" (a request of that id, say a client's, runs and will end).
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ POLL_S = 1.0  # how often expiry is checked when nothing else wakes the runner
 RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 5.0
 OWNER = "batch"  # the owner of batch requests: no client can Cancel them through the Generation API
-# Refusals that mean "not now", not "never": admission is full, no worker can take it yet, or the dispatcher stops.
-_RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+# Refusals that mean "not now", not "never": admission is full, no worker can take it yet, the dispatcher stops,
+# or a request of the same id still runs.
+_RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS)
 
 
 class Retry(Exception):
@@ -222,7 +226,7 @@ class BatchRunner:
         settled = False  # it has a result in the store (this one, or an earlier run's)
         try:
             attempt = await asyncio.to_thread(self.store.start_item, item.batch_id, item.index)
-            request_id = f"{item.batch_id}-{item.index}"
+            request_id = f"{item.batch_id}-{item.index}-{attempt}"
             outcome = await self._execute(endpoint, item, request_id)
             line = response_line(line_id(), item.custom_id, outcome.status_code, request_id, outcome.body)
             fresh = await asyncio.to_thread(self.store.record, item.batch_id, item.index, line, outcome.ok)

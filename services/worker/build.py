@@ -6,6 +6,8 @@ start-up; else the fixed one) and how the engine cuts its queue into microbatche
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from kunserve.services.worker.own_profile import ProfileKey, cache_path, find_own_profile
@@ -96,8 +98,13 @@ def worker_profile(cfg: ClusterConfig, source: ModelSource, layers: tuple[int, i
 
     def measure() -> Profile:
         torch.set_num_threads(threads)
-        return profile_layers(source.config, source.load_weights(layers), model=source.name, layers=layers,
-                              device=device, device_sig=key.device_sig, block_size=e.block_size).profile
+        try:
+            return profile_layers(source.config, source.load_weights(layers), model=source.name, layers=layers,
+                                  device=device, device_sig=key.device_sig, block_size=e.block_size).profile
+        finally:
+            if device.startswith("cuda"):  # the profiling forwards' memory stays in PyTorch's cache, not the pool's
+                gc.collect()
+                torch.cuda.empty_cache()
 
     return find_own_profile(key, configured=e.profile, cache=cache_path(e.profile_cache), measure=measure)
 

@@ -264,6 +264,8 @@ class TransitionRunner:
         except BaseException:
             if self.prepared is not None and self.prepared.staging is not None:
                 self.staging.give_back(self.prepared.staging)
+            else:  # the cold allocation raised or was cancelled: nothing is lent, and nothing may stay so
+                self.staging.lost()
             self.prepared = None
             self.engine_loop.resume()
             raise

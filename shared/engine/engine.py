@@ -155,6 +155,15 @@ class Engine:
         self.preemption_ttft_s = 0.0
         self.preempt_offline = threading.Event()
         self.in_flight: IterationInFlight | None = None
+        # The arrival check and the publication of a pass take this lock, so an arrival is either seen by the pass
+        # it must wait for or sees that pass. Arrivals announced while nothing is in flight whose add the engine
+        # has not taken yet (request id -> (when, prompt tokens)) are checked once the next pass is published: they
+        # arrived after its schedule and wait for all of it. Prompt tokens of the online arrivals during the pass in
+        # flight queue behind it, ahead of the next arrival.
+        self._arrivals = threading.Lock()
+        self._unseen_arrivals: dict[str, tuple[float, int]] = {}
+        self._arrived_tokens = 0
+        self._step_began = 0.0  # time.monotonic() when the latest step began (after the loop took its queue)
         self.layerwise_preemptions = 0
         # Incremental KV checkpoints of offline requests (ConServe §4.4, kv_checkpoint.py): off until
         # enable_kv_checkpoint. Requests whose checkpointed KV is being prefetched back run (they hold their blocks
@@ -196,8 +205,9 @@ class Engine:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
-        if self._held.pop(request_id, None) is not None:  # its KV is still being written into its blocks
-            self._held_aborted[request_id] = seq.block_table.ids
+        if request_id in self._held:  # its KV is still being written into its blocks
+            self._held_aborted[request_id] = seq.block_table.ids  # before it leaves _held: kv_landing never blinks
+            del self._held[request_id]
             return True
         if self._prefetching.pop(request_id, None) is not None and self._ckpt is not None:
             self._ckpt.cancel_prefetch(seq.swapped, preempted=False)  # no copy may write into its freed blocks
@@ -223,6 +233,7 @@ class Engine:
             self.clock.end_busy(still_waiting=bool(self.seqs))
 
     def _step(self) -> list[TokenEvent]:
+        self._forget_seen_arrivals()
         if self.link is not None:
             return self._step_pipelined(self.link)
         if self._prefetching:
@@ -347,8 +358,8 @@ class Engine:
             return self._run_local(batch, torch.tensor(ids, dtype=torch.long)).cpu(), sampled, chunks
         safepoint, online, online_sampled = cut
         self.preempt_offline.clear()
-        self.in_flight = IterationInFlight(time.monotonic(), self._predict(chunks), len(ids) - len(safepoint.keep),
-                                           len(safepoint.keep))
+        self._publish_pass(IterationInFlight(time.monotonic(), self._predict(chunks), len(ids) - len(safepoint.keep),
+                                             len(safepoint.keep), self._online_queued_tokens(chunks)))
         try:
             logits = self._run_local(batch, torch.tensor(ids, dtype=torch.long), safepoint).cpu()
         finally:
@@ -367,18 +378,59 @@ class Engine:
         self.safepoint_every = every
         self.preemption_ttft_s = ttft_s
 
-    def online_arrived(self, prompt_tokens: int) -> bool:
-        """Algorithm 2, for an online request of `prompt_tokens` that just arrived: raise the preemption flag when
-        waiting for the iteration in flight would miss the TTFT SLO. Safe from any thread: it reads the published
-        iteration and sets an Event. Returns whether it raised the flag."""
-        it = self.in_flight
-        if not self.safepoint_every or it is None:
+    def online_arrived(self, prompt_tokens: int, request_id: str | None = None) -> bool:
+        """Algorithm 2, for an online request of `prompt_tokens` that was just submitted (its add queued for the
+        engine thread): raise the preemption flag when waiting for the iteration in flight, then for the prefill of
+        the online prompts queued ahead of it and its own, would miss the TTFT SLO. With nothing in flight the
+        request is normally taken by the next schedule; one whose add that schedule missed (`request_id` not among
+        the engine's requests when the next pass starts) is checked against that pass as it starts. Safe from any
+        thread. Returns whether it raised the flag now."""
+        if not self.safepoint_every:
             return False
-        prefill = self._predict_shape(BatchShape.of([(max(1, prompt_tokens), 0)]))
+        with self._arrivals:
+            it = self.in_flight
+            if it is None:
+                if request_id is not None:
+                    self._unseen_arrivals[request_id] = (time.monotonic(), prompt_tokens)
+                return False
+            return self._check_arrival(it, prompt_tokens)
+
+    def _check_arrival(self, it: IterationInFlight, prompt_tokens: int) -> bool:
+        """One arrival during pass `it` (under self._arrivals)."""
+        self._arrived_tokens += max(1, prompt_tokens)
+        prefill = self._predict_shape(BatchShape.of([(it.online_queued_tokens + self._arrived_tokens, 0)]))
         if not should_preempt(time.monotonic(), it, prefill, self.preemption_ttft_s):
             return False
         self.preempt_offline.set()
         return True
+
+    def _publish_pass(self, it: IterationInFlight) -> None:
+        """The pass `it` begins: arrivals from now on are checked against it, and so are those announced after the
+        schedule that built it (their add not taken yet)."""
+        with self._arrivals:
+            self.in_flight = it
+            self._arrived_tokens = 0
+            late = [n for rid, (_, n) in self._unseen_arrivals.items() if rid not in self.seqs]
+            self._unseen_arrivals.clear()
+            for n in late:
+                self._check_arrival(it, n)
+
+    def _forget_seen_arrivals(self) -> None:
+        """A step begins: forget the arrivals announced between iterations whose add was taken before this schedule
+        (the schedule sees them), and those announced before the previous step began (their add was taken since,
+        whatever became of it), so nothing stays here longer than an iteration."""
+        began, self._step_began = self._step_began, time.monotonic()
+        if self._unseen_arrivals:
+            with self._arrivals:
+                for rid in [r for r, (t, _) in self._unseen_arrivals.items() if r in self.seqs or t < began]:
+                    del self._unseen_arrivals[rid]
+
+    def _online_queued_tokens(self, chunks: list[ScheduledChunk]) -> int:
+        """Prompt tokens of online requests still to prefill after this batch: an online arrival queues behind them."""
+        batch = {id(c.seq): c.num_tokens for c in chunks}
+        left = (s.remaining - batch.get(id(s), 0) for s in (*self.scheduler.running, *self.scheduler.waiting)
+                if not s.request.offline)
+        return sum(n for n in left if n > 1)
 
     def _safepoint(self, chunks: list[ScheduledChunk]
                    ) -> tuple[Safepoint, list[ScheduledChunk], list[ScheduledChunk]] | None:
@@ -622,9 +674,14 @@ class Engine:
             return False
         if self._prefetching.pop(seq.request_id, None) is not None:  # preempted again while its KV came back
             seq.num_computed = seq.swapped_tokens
-            if ckpt.cancel_prefetch(seq.swapped, preempted=True):
+            ck = seq.swapped
+            if ckpt.cancel_prefetch(ck, preempted=True):
                 return True
             seq.swapped = None
+            if ck.failed:  # its blocks hold garbage: nothing may swap them out or compute on them; it re-prefills
+                seq.num_computed = seq.swapped_tokens = 0
+                ckpt.forget(seq.request_id)
+                return False
         got = ckpt.checkpoint_out(seq, self.block_size)
         if got is None:
             return False
@@ -817,7 +874,8 @@ class Engine:
     def _budget_for(self, link: PipelineLink | None) -> None:
         """The budget of a role: the configured one, under a fresh measured latency when it has a latency model
         (ConServe's SLO budget): a whole instance's iterations, or as a group head its microbatches' round trips,
-        assumed until measured to take the number of stages times the profile's prediction (no overlap)."""
+        assumed until measured to take `link.max_inflight` times the profile's prediction: a round trip waits behind
+        every other microbatch in flight, as if nothing overlapped (a live group keeps one in flight per stage)."""
         budget = self._configured_budget
         if not isinstance(budget, SLOTokenBudget):
             self._latency = None

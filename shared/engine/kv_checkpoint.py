@@ -127,8 +127,10 @@ class KVCheckpointStore:
     # -- engine thread ----------------------------------------------------------------------------------------
     def after_iteration(self, seqs: Iterable[Sequence], block_size: int) -> None:
         """Queue the copies of the blocks these running offline requests completed (all full blocks not copied yet:
-        a request that fell behind catches up here when there is room)."""
-        items: list[tuple[Checkpoint, int, int]] = []
+        a request that fell behind catches up here when there is room). The copies go to the copy thread as one job at
+        the end; a checkpoint given slots earlier in this call and then taken for a newer request's blocks has its
+        copies withdrawn from that job before they are ever queued (waiting for them would wait forever)."""
+        unsent: dict[int, list[tuple[Checkpoint, int, int]]] = {}
         with self._cv:
             for seq in seqs:
                 full = seq.num_computed // block_size
@@ -144,13 +146,15 @@ class KVCheckpointStore:
                 done = len(ck.slots)
                 if full <= done:
                     continue
-                slots = self._take(full - done, ck)
+                slots = self._take(full - done, ck, unsent)
                 if slots is None:
                     self.behind += 1
                     continue
                 ck.slots.extend(slots)
                 ck.pending += len(slots)
-                items.extend((ck, block, slot) for block, slot in zip(seq.block_table.ids[done:full], slots))
+                unsent.setdefault(id(ck), []).extend(
+                    (ck, block, slot) for block, slot in zip(seq.block_table.ids[done:full], slots))
+        items = [item for group in unsent.values() for item in group]
         if items:
             self._submit(_Job(False, items, self._event()))
 
@@ -261,10 +265,13 @@ class KVCheckpointStore:
             cancelled=self.cancelled, blocks_restored=self.blocks_restored)
 
     # -- slots (under self._cv) ----------------------------------------------------------------------------------
-    def _take(self, n: int, ck: Checkpoint) -> list[int] | None:
+    def _take(self, n: int, ck: Checkpoint,
+              unsent: dict[int, list[tuple[Checkpoint, int, int]]] | None = None) -> list[int] | None:
         """n free slots for ck; when too few are free, those of older running requests' checkpoints (oldest first) are
         taken too. Slots still being copied count as free-to-be: this waits for their copies, so what fits does not
-        depend on how far the copy thread is. None (nothing taken) when even that is not enough."""
+        depend on how far the copy thread is. None (nothing taken) when even that is not enough. `unsent` holds the
+        copies the caller counted as pending but has not queued yet (per checkpoint): a taken checkpoint's are
+        withdrawn, as no copy thread would ever finish them."""
         if n > len(self._free):
             room = len(self._free) + sum(len(c.slots) + (c.tail is not None) for c in self._releasing.values())
             use = []
@@ -277,6 +284,8 @@ class KVCheckpointStore:
             if room < n:
                 return None
             for c in use:
+                if unsent is not None:
+                    c.pending -= len(unsent.pop(id(c), []))
                 self._drop(c)
                 self.evictions += 1
             while len(self._free) < n:

@@ -75,7 +75,7 @@ class EngineLoop:
             self._commands.append(("add", request))
             self._cv.notify()
         if not request.offline:  # ConServe Algorithm 2: cut the offline rows of the iteration in flight if it would
-            self.engine.online_arrived(len(request.prompt_token_ids))  # make this request miss its TTFT SLO
+            self.engine.online_arrived(len(request.prompt_token_ids), request.request_id)  # make it miss its TTFT SLO
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks (before the next iteration); its callback receives a final

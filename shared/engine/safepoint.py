@@ -2,8 +2,8 @@
 offline rows and finishes the iteration for the online rows only.
 
 An iteration full of offline work can take hundreds of milliseconds; an online request that arrives just after
-it began would wait for all of it. The worker's arrival check (``shared/policy/preemption.py``, Algorithm 2)
-raises a flag when waiting would miss the TTFT SLO; the forward pass checks the flag every ``every`` layers
+it began would wait for all of it. The worker's arrival check (``shared/policy/layerwise_preemption.py``,
+Algorithm 2) raises a flag when waiting would miss the TTFT SLO; the forward pass checks the flag every ``every`` layers
 (one ``Event.is_set``: nanoseconds against a layer's milliseconds) and, when it is up, keeps only the online
 rows: their hidden states, positions, attention metadata and logit rows, all prepared by the engine before the
 pass began, so the cut itself is one index of the hidden states. The offline rows' KV written by the layers

@@ -100,7 +100,9 @@ class SchedulerConfig:
     #   "recompute" (vLLM's default): free its KV, re-prefill prompt + generated tokens later;
     #   "swap" (InferCept-like): copy its KV to host memory, copy it back when it is re-admitted;
     #   "none" (queueing only): admit a request only when blocks for its whole life (prompt + max_tokens)
-    #   are free beside what running requests will still grow into, so nothing is ever preempted.
+    #   are free beside what running requests will still grow into, so no online request is ever preempted.
+    #   Offline requests stay the first victims of online ones (ConServe): an online request counts only the
+    #   online requests' growth and takes offline requests' blocks, at admission or as it grows.
     preemption: str = "recompute"
     # A new offline request is admitted only while this fraction of the blocks stays free after its chunk (never
     # less than admission_watermark; ignored when idle). Online arrivals then find room for their prompts at once
@@ -549,22 +551,37 @@ class Scheduler:
     def _may_admit(self, seq: Sequence, batch: _Batch) -> bool:
         """Whether a waiting seq may start now. Not after a preemption in this step (memory is short, admitting
         would only thrash): for an online seq a preemption of an online one, for an offline seq any, and an
-        offline seq also not while an online request waits. Queue-only admission: when its whole life fits."""
+        offline seq also not while an online request waits. Queue-only admission ("none"): when its whole life
+        fits; for an online seq beside the online requests' growth only, with the running offline requests'
+        blocks taken for it (newest first) when that is what it takes: offline work never holds an online request
+        back, and online requests never preempt each other."""
         if seq.request.offline:
             if self.num_preemptions != batch.preemptions_before or any(not s.request.offline for s in self.waiting):
                 return False
-        elif self.num_preemptions - self.num_offline_preemptions != batch.online_preemptions_before:
+            return self.config.preemption != "none" or self._fits_whole_life(seq)
+        if self.num_preemptions - self.num_offline_preemptions != batch.online_preemptions_before:
             return False
-        return self.config.preemption != "none" or self._fits_whole_life(seq)
+        if self.config.preemption != "none":
+            return True
+        takeable = sum(len(s.block_table) for s in self.running
+                       if s.request.offline and id(s) not in batch.in_batch and id(s) not in self.pinned)
+        if not self._fits_whole_life(seq, spare=takeable):
+            return False
+        while not self._fits_whole_life(seq) and self._preempt_offline(batch.in_batch):
+            pass
+        return self._fits_whole_life(seq)
 
     def _life_blocks(self, seq: Sequence) -> int:
         r = seq.request
         return blocks_needed(len(r.prompt_token_ids) + r.sampling.max_tokens - 1, self.block_size)
 
-    def _fits_whole_life(self, seq: Sequence) -> bool:
-        """Queue-only admission: blocks for its whole life fit beside the running requests' future growth."""
-        growth = sum(max(0, self._life_blocks(s) - len(s.block_table)) for s in self.running)
-        return self._life_blocks(seq) + growth <= self.allocator.num_free
+    def _fits_whole_life(self, seq: Sequence, spare: int = 0) -> bool:
+        """Queue-only admission: blocks for its whole life fit in the free blocks (plus `spare`) beside the future
+        growth of the running requests it must not take from: every one for an offline seq, the online ones for an
+        online seq (offline requests give their blocks back to online ones when they run short)."""
+        growth = sum(max(0, self._life_blocks(s) - len(s.block_table)) for s in self.running
+                     if seq.request.offline or not s.request.offline)
+        return self._life_blocks(seq) + growth <= self.allocator.num_free + spare
 
     def _swap_in(self, seq: Sequence) -> bool:
         """Re-admit a swapped-out sequence: blocks for its saved KV, copied back from host memory."""

@@ -3,8 +3,9 @@
 Offline requests fill every worker's KV and queue far beyond it (and wait longer than the TTFT SLO): the monitor,
 with ``monitor.auto_drop`` on, sees no overload and drops nothing, since offline work only harvests what online work
 leaves. An online burst beyond the cluster's capacity then makes it drop. Two long offline requests decode across
-that drop and a restore; every request, offline and online, ends with the reference's greedy tokens.
-The assertions are about what the monitor saw and decided, never about time.
+that drop and a restore (and are cancelled once they have decoded a few tokens after it: their budget is only there
+to keep them decoding until the restore, whenever it comes); every token of every request, offline and online, is the
+reference's greedy one. The assertions are about what the monitor saw and decided, never about time.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 
 import pytest
 from drop_scenarios import check_all, memory_manager, prompts_for, wait_tokens
-from helpers import internal_channel, make_config, run
+from helpers import check_against_reference, internal_channel, make_config, run
 
 from kunserve import client
 from kunserve.cli.launcher import LocalCluster
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 
 WORKERS = ("worker-0", "worker-1")
 LONG_TOKENS = 1200    # the long offline requests: still decoding when the restore comes
+AFTER_RESTORE = 8     # tokens each of them decodes after the restore before it is cancelled
 FILLER_TOKENS = 64
 ONLINE_TOKENS = 48
 BLIND_REPORTS = 10    # fresh reports per worker in which a class-blind monitor would have dropped
@@ -44,7 +46,7 @@ def _cluster(tmp_path) -> LocalCluster:
 
 def _stream(ch, prompts, max_tokens: int, progress: dict, tag: str, offline: bool) -> asyncio.Task:
     """Greedy generations of every prompt at once (progress[tag, i] counts request i's tokens); the task gives the
-    results in order."""
+    results in order (a cancelled request's: the tokens it had, finish reason "aborted")."""
     async def one(i, p):
         req = client.make_request(p, request_id=f"{tag}{i}", max_tokens=max_tokens)
         if offline:
@@ -117,7 +119,9 @@ def test_offline_work_is_harvested_not_dropped_for_and_lives_through_drop_and_re
             before = dict(progress)
             restore = await mm.Restore(memory_manager_pb2.RestoreRequest(), timeout=120)
             assert restore.completed, restore
-            await wait_tokens(progress, len(long_prompts), 2, long, since=before)
+            await wait_tokens(progress, len(long_prompts), AFTER_RESTORE, long, since=before)
+            for i in range(len(long_prompts)):
+                assert await client.cancel(ch, f"long{i}")
             return await long, filler_results, online_results
 
     try:
@@ -125,7 +129,9 @@ def test_offline_work_is_harvested_not_dropped_for_and_lives_through_drop_and_re
         monitor_log = (tmp_path / "monitor.log").read_text()
     finally:
         c.stop()
-    check_all(long_prompts, long_results, LONG_TOKENS)
+    for p, r in zip(long_prompts, long_results):  # every token up to the cancel, across the drop and the restore
+        assert r.finish_reason == "aborted" and AFTER_RESTORE < len(r.token_ids) < LONG_TOKENS, r
+        check_against_reference(p, r.token_ids, len(r.token_ids))
     check_all(fillers, filler_results, FILLER_TOKENS)
     check_all(online, online_results, ONLINE_TOKENS)
     assert monitor_log.count("policy_drop_decided") == 1, monitor_log  # the online burst's, nothing for offline work

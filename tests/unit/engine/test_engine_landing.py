@@ -155,3 +155,28 @@ def test_kv_landing_releases_a_request_when_its_last_worker_reports(waits, expec
     landing = KVLanding.expecting(1, waits)
     assert landing.landed("w0", ["a", "b", "zzz"]) == expected
     assert landing.landed("w1", ["b"]) == (["b"] if "b" in waits else [])
+
+
+def test_aborting_a_held_request_never_shows_another_thread_no_landing_in_between():
+    """kv_landing is read from other threads (the worker's status): while the only held request is aborted it moves
+    from the held requests to the aborted ones, and at no moment is it in neither."""
+    victim = min(decoding_ids())
+    eng, _, _, _ = relanded({victim})
+    seen: list[bool] = []
+
+    class Watched(dict):
+        def pop(self, *args):
+            out = super().pop(*args)
+            seen.append(eng.kv_landing)
+            return out
+
+        def __delitem__(self, key):
+            super().__delitem__(key)
+            seen.append(eng.kv_landing)
+
+    eng._held = Watched(eng._held)
+    assert eng.kv_landing and eng.abort(victim)
+    assert seen and all(seen), "a reader saw no landing while the aborted request's KV was still coming"
+    assert eng.kv_landing
+    eng.kv_landed(EPOCH, "w1", [victim])
+    assert not eng.kv_landing and eng.allocator.num_used == sum(len(s.block_table) for s in eng.seqs.values())

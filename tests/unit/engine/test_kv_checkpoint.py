@@ -406,3 +406,73 @@ def test_the_config_key_bounds_the_host_region_and_only_conserve_checkpoints():
         validate(config_from_dict({"engine": {"checkpoint_mib": -1}}))
     eng = engine(checkpoint_blocks=0)
     assert eng.kv_checkpoint is None and eng.scheduler.checkpointer is None and eng.checkpoint_stats() is None
+
+
+def test_one_iteration_that_fills_the_host_region_across_requests_does_not_hang():
+    """Room for 4 blocks; two offline prompts of 3 full blocks each prefill in the same iteration. The older one is
+    given 3 slots first, then the newer one takes them (older checkpoints yield to newer ones): the older one's copies
+    had not been queued yet, so they are withdrawn rather than waited for. The iteration ends, the newer request holds
+    the checkpoint and the tokens are the uninterrupted ones."""
+    reqs = offline(2, seed=7, max_tokens=4, lo=24, hi=24)
+    eng = engine(checkpoint_blocks=4)
+    out: dict[str, list[int]] = {}
+    for r in reqs:
+        eng.add_request(clone(r))
+    stepped = threading.Thread(target=step, args=(eng, out), daemon=True)
+    stepped.start()
+    stepped.join(30)
+    assert not stepped.is_alive(), "the first iteration's checkpointing waits for copies that were never queued"
+    store = eng.kv_checkpoint
+    assert store is not None
+    store.drain()
+    assert store.host_copy("off0") is None and store.host_copy("off1").shape[0] == 3
+    st = eng.checkpoint_stats()
+    assert st.evictions == 1 and st.host_blocks_used == 3 and st.blocks_checkpointed == 3
+    finish(eng, out)
+    assert out == uninterrupted(reqs)
+    assert eng.allocator.num_used == 0 and settled(eng).host_blocks_used == 0
+
+
+@pytest.mark.parametrize("then", ["preempted-again", "adopted"])
+def test_a_failed_prefetch_makes_its_request_re_prefill_and_never_swaps_or_computes_on_its_blocks(then):
+    """The host->device copy of a prefetch raises: the request's new blocks hold garbage. Whether the engine finds
+    that when it adopts the prefetch, or the request is preempted again first (with preemption = "swap", which
+    would copy its device KV to host), it re-prefills from scratch and its tokens are the uninterrupted ones."""
+    reqs = offline(2, seed=2)
+    eng = Engine(CFG, weights_for(CFG), num_kv_blocks=24, block_size=BS,
+                 scheduler_config=SchedulerConfig(max_num_batched_tokens=128, preemption="swap"))
+    eng.enable_kv_checkpoint(256 * BLOCK_BYTES)
+    computed = Computed(eng)
+    out: dict[str, list[int]] = {}
+    for r in reqs:
+        eng.add_request(clone(r))
+    step(eng, out, 4)
+    victim = eng.seqs["off1"]
+    eng.scheduler.preempt(victim)
+    store = eng.kv_checkpoint
+    assert store is not None and isinstance(victim.swapped, Checkpoint)
+    inner = store._run_job
+
+    def failing(job):
+        if job.inbound:
+            raise RuntimeError("injected: the host->device copy failed")
+        inner(job)
+    store._run_job = failing  # type: ignore[method-assign]
+    eng._checkpoint_iteration([], eng.scheduler.num_preemptions)  # memory is free: its prefetch is queued
+    assert "off1" in eng._prefetching
+    store.drain()
+    assert victim.swapped.failed
+    if then == "preempted-again":
+        eng.scheduler.preempt(victim)
+        assert victim.swapped is None, "its garbage KV was swapped out"
+        assert victim.num_computed == 0 and victim.swapped_tokens == 0
+    else:
+        prefilled = computed.tokens["off1"]
+        step(eng, out)
+        assert "off1" not in eng._prefetching and victim.swapped is None and victim.swapped_tokens == 0
+        assert victim.num_computed == computed.tokens["off1"] - prefilled, "it computes from its first token again"
+    store._run_job = inner  # type: ignore[method-assign]
+    finish(eng, out)
+    assert out == uninterrupted(reqs)
+    assert computed.tokens["off1"] > len(reqs[1].prompt_token_ids) + reqs[1].sampling.max_tokens - 1, "it re-prefilled"
+    assert eng.allocator.num_used == 0 and settled(eng).host_blocks_used == 0

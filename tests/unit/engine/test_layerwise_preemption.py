@@ -146,3 +146,59 @@ def test_a_whole_instance_budgets_under_its_measured_iterations():
     offline, _ = _requests()
     eng.generate([clone(r) for r in offline])
     assert latency.observations > 0 and latency.scale > 1.0, "slower than the optimistic profile says"
+
+
+def test_an_arrival_between_the_schedule_and_the_pass_is_checked_once_the_pass_starts():
+    """The worker submits a request (its add waits for the engine's next look at its queue) and then runs the
+    arrival check. Arriving after the engine took its queue and scheduled, but before the forward pass began,
+    nothing is in flight yet: the request is not in this iteration and would wait for all of it. The check is
+    run again as the pass starts, and cuts it."""
+    w = weights_for(CFG)
+    offline, online = _requests(seed=11)
+    eng = Engine(CFG, w, num_kv_blocks=96, block_size=8, scheduler_config=SCHED)
+    eng.enable_layerwise_preemption(every=2, ttft_s=0.5)
+    for r in offline:
+        eng.add_request(clone(r))
+    eng.step()
+    arrived: list[bool] = []
+    eng.on_schedule = lambda chunks: arrived.append(eng.online_arrived(16, "on0")) if not arrived else None
+    eng.step()
+    assert arrived == [False] and eng.layerwise_preemptions == 1, "the late arrival did not cut the pass"
+    eng.on_schedule = None
+
+    # announced between iterations with its add already taken: it is in the next iteration, which is not cut for it
+    eng.add_request(clone(online[0]))
+    assert not eng.online_arrived(16, "on0")
+    eng.step()
+    assert eng.layerwise_preemptions == 1 and eng.seqs["on0"].num_computed > 0
+    got: dict[str, list[int]] = {}
+    while eng.has_work():
+        for ev in eng.step():
+            got.setdefault(ev.request_id, []).append(ev.token_id)
+    assert eng.allocator.num_used == 0
+
+
+def test_the_arrival_check_counts_the_online_prompts_queued_ahead_of_the_arrival():
+    """Algorithm 2 predicts the prefill of the online requests that wait (Q_on), not only the new one's: a long
+    online prompt still queued behind the pass plus the arrival misses the TTFT SLO, though the arrival alone
+    would not. Per-token cost 1 ms: 64 tokens in flight, 568 online prompt tokens queued, 16 arriving; TTFT 0.5 s.
+    The arrival comes in the first pass, before any measurement rescales the profile."""
+    w = weights_for(CFG)
+    per_token = ConServeLatencyModel(k1=1e-3, k2=0.0, k3=0.0, k4=0.0, k5=0.0)
+    sched = SchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=32)
+    rng = random.Random(12)
+    long_online = EngineRequest("on-long", [rng.randrange(CFG.vocab_size) for _ in range(600)],
+                                SamplingParams(max_tokens=2, ignore_eos=True))
+    off = EngineRequest("off", [rng.randrange(CFG.vocab_size) for _ in range(60)],
+                        SamplingParams(max_tokens=2, ignore_eos=True), offline=True)
+    for queued, cut in ((True, 1), (False, 0)):
+        eng = Engine(CFG, w, num_kv_blocks=128, block_size=8, scheduler_config=sched,
+                     budget=SLOTokenBudget(per_token, tbt_s=10.0, max_tokens=64))
+        eng.enable_layerwise_preemption(every=2, ttft_s=0.5)
+        if queued:
+            eng.add_request(clone(long_online))
+        eng.add_request(clone(off))
+        arrival = ArrivalAt(eng, layer=1)
+        arrival.armed = True
+        eng.step()
+        assert eng.layerwise_preemptions == cut and arrival.raised == cut, f"queued online prompt: {queued}"

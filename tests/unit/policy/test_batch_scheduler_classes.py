@@ -215,16 +215,16 @@ def test_no_offline_admission_below_the_watermark_nor_while_an_online_request_wa
     s.add(mk("off", 8, arrival=1.0, offline=True))
     assert ids(s.schedule()) == [("on", 0, 64)]
     assert alloc.num_free == 4 and [x.request_id for x in s.waiting] == ["off"]
-    # queue-only admission: an online request waits for its whole life to fit; a small offline one that would fit
-    # must not take the memory it waits for
+    # queue-only admission: an online request's whole life must fit beside the online requests' growth only (the
+    # offline request's growth does not hold it back); a new offline one must fit beside everyone's growth
     s2 = Scheduler(BlockAllocator(10), 4, SchedulerConfig(max_num_batched_tokens=200, preemption="none",
                                                           offline_free_watermark=0.0))
     s2.add(mk("off-run", 8, max_tokens=9, offline=True, arrival=0.0))  # 2 blocks now, 4 over its life
     advance(s2, s2.schedule())
-    s2.add(mk("on-big", 24, max_tokens=5, arrival=1.0))  # 7 blocks over its life: 7 + 2 > 8 free
-    s2.add(mk("off-small", 2, max_tokens=2, offline=True, arrival=2.0))  # 1 block: would fit
-    assert ids(s2.schedule()) == [("off-run", 8, 1)]
-    assert [x.request_id for x in s2.waiting] == ["on-big", "off-small"]
+    s2.add(mk("on-big", 24, max_tokens=5, arrival=1.0))  # 7 blocks over its life: 7 <= 8 free
+    s2.add(mk("off-small", 2, max_tokens=2, offline=True, arrival=2.0))  # 1 block beside 1 + 1 of growth: 2 free
+    assert ids(s2.schedule()) == [("off-run", 8, 1), ("on-big", 0, 24)]
+    assert [x.request_id for x in s2.waiting] == ["off-small"]
 
 
 def test_an_offline_request_progresses_on_what_steady_online_load_leaves():
@@ -244,13 +244,44 @@ def test_an_offline_request_progresses_on_what_steady_online_load_leaves():
     assert steps < 30
 
 
-def test_preemption_none_never_preempts_offline_requests():
+def test_preemption_none_never_lets_offline_work_block_an_online_request():
+    """Queue-only admission ("none") is about online requests among themselves: an online request waits until its
+    whole life fits beside the other online requests' growth, never for offline work. The offline requests' growth
+    does not count against it and their blocks are taken (newest first) when it needs them, now or as it grows."""
     alloc = BlockAllocator(6)
     s = Scheduler(alloc, 4, SchedulerConfig(max_num_batched_tokens=64, preemption="none", offline_free_watermark=0.0))
-    s.add(mk("off", 12, max_tokens=8, offline=True))
+    off = mk("off", 12, max_tokens=8, offline=True)
+    s.add(off)
     advance(s, s.schedule())
-    s.add(mk("on", 8, max_tokens=4, arrival=1.0))  # whole life: 3 blocks beside off's growth of 2: does not fit
-    assert ids(s.schedule()) == [("off", 12, 1)] and s.num_preemptions == 0
+    on = mk("on", 8, max_tokens=4, arrival=1.0)  # whole life: 3 blocks, 3 free; off would grow into 2 of them
+    s.add(on)
+    assert ids(s.schedule()) == [("off", 12, 1), ("on", 0, 8)] and s.num_preemptions == 0
+    while on in s.running:  # on's third block is off's fourth: off gives it back
+        advance(s, s.schedule())
+    assert off.num_preemptions == 1 and on.num_preemptions == 0 and len(on.generated) == 4
+
+    # an online request bigger than what is free takes the offline requests' blocks at admission, newest first
+    alloc = BlockAllocator(8)
+    s = Scheduler(alloc, 4, SchedulerConfig(max_num_batched_tokens=64, preemption="none", offline_free_watermark=0.0))
+    off_a, off_b = mk("off-a", 8, max_tokens=4, offline=True), mk("off-b", 8, max_tokens=4, offline=True, arrival=0.5)
+    s.add(off_a)
+    s.add(off_b)
+    advance(s, s.schedule())
+    assert alloc.num_free == 4
+    big = mk("on-big", 16, max_tokens=5, arrival=1.0)  # 5 blocks over its life
+    s.add(big)
+    chunks = s.schedule()
+    assert ("on-big", 0, 16) in ids(chunks) and off_b.num_preemptions == 1 and off_a.num_preemptions == 0
+
+    # online among online stays queue-only: a second online request whose life does not fit beside the first's
+    # growth waits, and nothing online is ever preempted
+    alloc = BlockAllocator(6)
+    s = Scheduler(alloc, 4, SchedulerConfig(max_num_batched_tokens=64, preemption="none", offline_free_watermark=0.0))
+    first = mk("on-1", 8, max_tokens=9)  # 4 blocks over its life, 2 now
+    s.add(first)
+    advance(s, s.schedule())
+    s.add(mk("on-2", 8, max_tokens=2, arrival=1.0))  # 3 blocks: 3 + first's growth of 2 > 4 free
+    assert ids(s.schedule()) == [("on-1", 8, 1)] and s.num_preemptions == 0
 
 
 def test_offline_only_iterations_use_the_throughput_budget():
@@ -313,7 +344,7 @@ def _budget(kind: str, cap: int, tbt_ms: float, floor: int) -> TokenBudget:
        bs=st.sampled_from([1, 4, 8]), slack=st.integers(0, 24), kind=st.sampled_from(["fixed", "slo"]),
        cap=st.sampled_from([3, 16, 64]), tbt_ms=st.sampled_from([2.0, 5.0, 20.0]), floor=st.sampled_from([1, 8]),
        max_seqs=st.sampled_from([2, 64]), chunk=st.sampled_from([0, 5]), wm=st.sampled_from([0.0, 0.1, 0.3]),
-       preemption=st.sampled_from(["recompute", "recompute", "swap"]))
+       preemption=st.sampled_from(["recompute", "recompute", "swap", "none"]))
 def test_algorithm_1(reqs, bs, slack, kind, cap, tbt_ms, floor, max_seqs, chunk, wm, preemption):
     budget = _budget(kind, cap, tbt_ms, floor)
     largest = max(blocks_needed(n + m - 1, bs) for _, n, m, _ in reqs)

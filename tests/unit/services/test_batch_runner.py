@@ -100,7 +100,7 @@ def test_runs_every_request_with_bounded_concurrency_and_records_failures(tmp_pa
         assert got[5]["response"]["body"] == {"text": "p5"}
         assert got[3]["response"]["status_code"] == 400 and got[3]["response"]["body"]["error"]["message"] == "r3 is bad"
         assert got[7]["response"]["status_code"] == 500
-        assert got[0]["response"]["request_id"] == f"{bid}-0" and got[0]["id"].startswith("batch_req_")
+        assert got[0]["response"]["request_id"] == f"{bid}-0-1" and got[0]["id"].startswith("batch_req_")
         err = [json.loads(x) for x in store.file_content(b.error_file_id).decode().splitlines()]
         assert [x["custom_id"] for x in err] == ["r3", "r7"]
         store.close()
@@ -246,10 +246,72 @@ def test_openai_items_run_offline_and_map_refusals():
         refused = await OpenAIItems(FakeFront(), too_long)("/v1/completions", item, "r")
         assert refused.status_code == 400 and refused.body["error"]["message"].startswith("prompt: 9000 tokens")
 
-        for code, hint in ((grpc.StatusCode.RESOURCE_EXHAUSTED, 250), (grpc.StatusCode.UNAVAILABLE, None)):
+        for code, hint in ((grpc.StatusCode.RESOURCE_EXHAUSTED, 250), (grpc.StatusCode.UNAVAILABLE, None),
+                           (grpc.StatusCode.ALREADY_EXISTS, None)):
             with pytest.raises(Retry) as err:
                 await OpenAIItems(FakeFront(), FakeServicer(RequestError(code, "not now", hint)))(
                     "/v1/completions", item, "r")
             assert err.value.after_s == (0.25 if hint else None)
 
     run(main())
+
+
+class Cluster:
+    """A dispatcher lifecycle whose request ids outlive the runner that opened them, as on a worker that still runs
+    the requests of a dispatcher that was just restarted: an id it holds is refused with ALREADY_EXISTS (the
+    servicer's and the worker's answer) until it ends there."""
+
+    def __init__(self) -> None:
+        self.running: set[str] = set()
+        self.opened: list[str] = []
+        self.hold = asyncio.Event()
+
+    async def open(self, request, owner):
+        rid = request.request_id
+        if rid in self.running:
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running on this worker")
+        self.running.add(rid)
+        self.opened.append(rid)
+        return request
+
+    async def events(self, record):
+        await self.hold.wait()
+        self.running.discard(record.request_id)
+        yield generation_pb2.GenerateEvent(request_id=record.request_id, text="ok")
+
+
+def test_a_request_re_run_while_its_last_attempt_still_runs_gets_a_new_id_and_succeeds(tmp_path):
+    """The dispatcher stops mid-batch (its requests keep running on the workers a while) and a new one continues
+    the batch at once: every attempt has an id of its own, so the re-run is not refused as a duplicate of the
+    one still running, and each request still has exactly one result."""
+    path = tmp_path / "b.sqlite3"
+    cluster = Cluster()
+
+    async def first() -> str:
+        store = BatchStore(path)
+        bid = make_batch(store, [{"prompt": f"p{i}", "max_tokens": 2} for i in range(3)])
+        runner = BatchRunner(store, OpenAIItems(FakeFront(), cluster), concurrency=2, poll_s=0.01)  # type: ignore[arg-type]
+        runner.start()
+        await until(lambda: len(cluster.running) == 2)
+        await runner.stop()  # r0 and r1 were running, and still are on the workers
+        store.close()
+        return bid
+
+    async def second(bid: str) -> None:
+        store = BatchStore(path)
+        cluster.hold.set()
+        runner = BatchRunner(store, OpenAIItems(FakeFront(), cluster), concurrency=2, poll_s=0.01)  # type: ignore[arg-type]
+        runner.start()
+        await until(lambda: store.batch(bid).status == "completed")
+        await runner.stop()
+        b = store.batch(bid)
+        assert (b.completed, b.failed) == (3, 0)
+        res = store.results(bid)
+        assert [(r.custom_id, r.ok, r.attempts) for r in res] == [("r0", True, 2), ("r1", True, 2), ("r2", True, 1)]
+        ids = [json.loads(r.line)["response"]["request_id"] for r in res]
+        assert ids == [f"{bid}-0-2", f"{bid}-1-2", f"{bid}-2-1"]
+        assert len(set(cluster.opened)) == len(cluster.opened) == 5, "no id was opened twice"
+        store.close()
+
+    bid = run(first())
+    run(second(bid))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from engine_testing import one_torch_thread  # noqa: F401 - fixture
 
 from kunserve.services.worker.build import worker_profile
@@ -88,3 +89,49 @@ def test_a_worker_measures_its_own_layer_range_on_this_machine(tmp_path, one_tor
     assert again is not None and again.conserve == prof.conserve and "from the cache" in why
     off = config_from_dict({"engine": {"budget": "fixed", "lookahead": False, "profile_cache": str(tmp_path / "x")}})
     assert worker_profile(off, source, (0, 2), "cpu", 1) == (None, "no profile needed")
+
+
+class _Measured:
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+
+
+def _fake_gpu(monkeypatch, *, fail: bool) -> list[str]:
+    """worker_profile on "cuda" with the measurement and the CUDA calls replaced: what ran, in order."""
+    import kunserve.services.worker.build as build
+
+    ran: list[str] = []
+
+    def profile_layers(*args, **kwargs):
+        ran.append("measure")
+        if fail:
+            raise RuntimeError("out of memory while profiling")
+        return _Measured(_profile(ProfileKey(KEY.model, KEY.dtype, (0, 2), "cuda[fake]")))
+
+    monkeypatch.setattr(build, "profile_layers", profile_layers)
+    monkeypatch.setattr(build, "device_signature", lambda device, threads: "cuda[fake]")
+    monkeypatch.setattr(build.torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(build.torch.cuda, "empty_cache", lambda: ran.append("empty_cache"))
+    return ran
+
+
+def test_self_profiling_on_a_gpu_returns_its_cached_memory_before_the_pool_is_built(tmp_path, monkeypatch):
+    """The profiling forwards leave activations in PyTorch's CUDA cache; the memory pool is sized right after, so the
+    cache is emptied once measuring ends, whether it succeeded or raised. On a CPU there is no such cache."""
+    cfg = config_from_dict({"engine": {"profile_cache": str(tmp_path / "profiles.json")}})
+    source = load_model_source(None)
+    ran = _fake_gpu(monkeypatch, fail=False)
+    prof, why = worker_profile(cfg, source, (0, 2), "cuda", 1)
+    assert prof is not None and "measured at start-up" in why
+    assert ran == ["measure", "empty_cache"]
+
+    ran = _fake_gpu(monkeypatch, fail=True)
+    cfg = config_from_dict({"engine": {"profile_cache": str(tmp_path / "other.json")}})
+    with pytest.raises(RuntimeError, match="out of memory while profiling"):
+        worker_profile(cfg, source, (0, 2), "cuda", 1)
+    assert ran == ["measure", "empty_cache"], "emptied when the measurement raised too"
+
+    ran = _fake_gpu(monkeypatch, fail=False)
+    monkeypatch.setattr("kunserve.services.worker.build.device_signature", lambda device, threads: "cpu[fake]x1t")
+    worker_profile(config_from_dict({"engine": {"profile_cache": str(tmp_path / "cpu.json")}}), source, (0, 2), "cpu", 1)
+    assert ran == ["measure"], "no CUDA call on a CPU worker"

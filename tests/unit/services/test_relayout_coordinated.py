@@ -9,12 +9,15 @@ token once; a request whose KV is in flight produces nothing, a new one runs mea
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 
+import pytest
 from engine_testing import one_torch_thread  # noqa: F401 - fixture
 from test_relayout_runner import NUM_LAYERS, FakeNetwork, Requests, Worker, cluster, group_of, pause, plan, start_requests, with_blocks
 
+from kunserve.services.worker.kv_exchange import ExportStaging
 from kunserve.shared.policy.cluster import Unit
 from kunserve.shared.transfer.framing import KV_EXCHANGE
 from kunserve.shared.transfer.service import Received
@@ -182,6 +185,47 @@ def test_a_restore_whose_peer_kv_never_lands_re_prefills_the_held_requests():
             assert gate.seen == 1 and w0.loop.engine.kv_landing
             await until(lambda: not w0.loop.engine.kv_landing, "the held requests given up on")
             assert w0.runner.role is None and w0.loop.engine.landing_epoch is None
+            await reqs.finish()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["raises", "cancelled"])
+def test_a_cold_staging_that_fails_at_prepare_leaves_nothing_lent_and_the_next_drop_goes_through(how):
+    """Prepare finds no warm staging and allocates one cold; that allocation raises (out of host memory) or the
+    Prepare is cancelled meanwhile. The reserve must not stay lent: it would never grow a warm buffer again."""
+    async def main() -> None:
+        async with cluster() as (_, workers):
+            w0 = workers["w0"]
+            reqs = start_requests(workers, max_tokens=MAX_TOKENS)
+            await reqs.until_each_has(2)
+            cold = w0.runner.staging.allocate
+            entered, release = threading.Event(), threading.Event()
+
+            def failing(nbytes: int) -> ExportStaging:
+                entered.set()
+                if how == "raises":
+                    raise MemoryError("no host memory for the staging")
+                release.wait(30)
+                return cold(nbytes)
+
+            w0.runner.staging.allocate = failing  # type: ignore[method-assign]
+            spec = worker_pb2.TransitionSpec(epoch=1, op="drop", old_units=[unit_to_pb(workers[w].single())
+                                                                           for w in sorted(workers)],
+                                             new_units=[unit_to_pb(group_of(workers))], lease_s=30.0)
+            task = asyncio.create_task(w0.runner.prepare(spec))
+            await until(entered.is_set, "the cold allocation started")
+            if how == "cancelled":
+                task.cancel()
+            with pytest.raises(MemoryError if how == "raises" else asyncio.CancelledError):
+                await task
+            release.set()
+            assert not w0.runner.staging.lent, "the failed Prepare still holds the reserve"
+            assert w0.runner.staging.wants(1 << 20, 1 << 22) > 0, "keep_staging_warm could never grow it again"
+            assert not w0.runner.transitioning and not w0.loop.paused
+            w0.runner.staging.allocate = cold  # type: ignore[method-assign]
+            await drop(workers)
+            assert w0.runner.role is not None and w0.runner.role.is_head
             await reqs.finish()
 
     asyncio.run(main())
