@@ -122,6 +122,10 @@ class MemoryManagerSection(ServiceSection):
     # until theirs has landed. false: every member pauses from Prepare until the whole exchange has landed
     # (the "kunserve-no-coord" ablation).
     coordinated_exchange: bool = True
+    # Runtime membership (README "Discovery and autoscaling"): a worker the config does not list joins by registering;
+    # every worker registers again every member_timeout_s / 4, and a joined worker silent for member_timeout_s has
+    # left (its requests resume elsewhere, as for any dead worker).
+    member_timeout_s: float = 10.0
 
 
 @dataclass
@@ -213,6 +217,27 @@ class SecuritySection:
 
 
 @dataclass
+class AutoscaleSection:
+    # README "Discovery and autoscaling": the memory manager asks a scaler for more instances when no drop plan meets
+    # the requirement ("autoscale needed") or a drop has held for hold_s, and gives an added one back once the
+    # cluster has been calm (no group, no need, KV usage low) for scale_down_hold_s.
+    scaler: str = "none"  # none | local (standby workers of `kunserve up --standby N`) | kubernetes (StatefulSet replicas)
+    hold_s: float = 30.0  # a drop that has held this long asks for an instance too
+    scale_down_hold_s: float = 60.0  # calm this long before an added worker is drained and given back
+    scale_down_usage: float = 0.5  # ...and only while the KV usage without it stays below this fraction
+    cooldown_s: float = 5.0  # at least this long between two scale actions
+    scale_up_timeout_s: float = 120.0  # an asked-for instance not serving by then: logged, the cluster goes on
+    drain_timeout_s: float = 30.0  # a draining worker's running requests finish for this long, then resume elsewhere
+    max_workers: int = 0  # members at most, seeds included; 0 = no cap but the scaler's
+    # kubernetes: the worker StatefulSet whose spec.replicas the memory manager patches (RBAC in deploy/k8s/base)
+    statefulset: str = "kunserve-worker"
+    namespace: str = ""  # empty = the memory manager pod's own namespace
+    api_url: str = ""  # empty = in cluster: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT
+    max_replicas: int = 0  # 0 = no cap
+    api_timeout_s: float = 10.0
+
+
+@dataclass
 class LoggingSection:
     format: str = "auto"  # auto (pretty on a terminal, JSON otherwise) | json | console
     level: str = "info"
@@ -228,6 +253,7 @@ class ClusterConfig:
     engine: EngineSection = field(default_factory=EngineSection)
     policy: PolicySection = field(default_factory=PolicySection)
     slo: SLOSection = field(default_factory=SLOSection)
+    autoscale: AutoscaleSection = field(default_factory=AutoscaleSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     security: SecuritySection = field(default_factory=SecuritySection)
     source: str = "<defaults>"  # where it was loaded from, for messages
@@ -439,8 +465,32 @@ def validate(cfg: ClusterConfig) -> None:
     if not 0.1 <= cfg.memory_manager.transition_lease_s <= 3600:
         raise ConfigError(f"{src}: memory_manager.transition_lease_s must be in [0.1, 3600], "
                           f"got {cfg.memory_manager.transition_lease_s}")
+    _validate_autoscale(cfg, src)
     if cfg.logging.format not in ("auto", "json", "console"):
         raise ConfigError(f"{src}: logging.format must be auto, json or console, got {cfg.logging.format!r}")
+
+
+AUTOSCALERS = ("none", "local", "kubernetes")
+
+
+def _validate_autoscale(cfg: ClusterConfig, src: str) -> None:
+    a = cfg.autoscale
+    if a.scaler not in AUTOSCALERS:
+        raise ConfigError(f"{src}: autoscale.scaler must be one of {', '.join(AUTOSCALERS)}, got {a.scaler!r}")
+    for key in ("hold_s", "scale_down_hold_s", "cooldown_s", "drain_timeout_s"):
+        if getattr(a, key) < 0:
+            raise ConfigError(f"{src}: autoscale.{key} must be >= 0, got {getattr(a, key)}")
+    for key in ("scale_up_timeout_s", "api_timeout_s"):
+        if getattr(a, key) <= 0:
+            raise ConfigError(f"{src}: autoscale.{key} must be > 0, got {getattr(a, key)}")
+    if not 0 < a.scale_down_usage <= 1:
+        raise ConfigError(f"{src}: autoscale.scale_down_usage must be in (0, 1], got {a.scale_down_usage}")
+    if a.max_workers < 0 or a.max_replicas < 0:
+        raise ConfigError(f"{src}: autoscale.max_workers and autoscale.max_replicas must be >= 0 (0 = no cap)")
+    if a.scaler == "kubernetes" and not a.statefulset:
+        raise ConfigError(f"{src}: autoscale.statefulset must name the worker StatefulSet (autoscale.scaler = kubernetes)")
+    if cfg.memory_manager.member_timeout_s <= 0:
+        raise ConfigError(f"{src}: memory_manager.member_timeout_s must be > 0, got {cfg.memory_manager.member_timeout_s}")
 
 
 def _validate_security(sec: SecuritySection, src: str) -> None:

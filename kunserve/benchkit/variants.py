@@ -1,8 +1,10 @@
-"""Ablation variants of the kunserve policy, as rows of `bench compare --policies` (KunServe Fig. 14 and 16).
+"""Variants of the kunserve policy, as rows of `bench compare --policies` (KunServe Fig. 14 and 16, and §4.4).
 
-A variant is the kunserve policy with one mechanism switched off through the cluster config. This table is the
-only place that says which switch each variant turns. A variant whose switch this build's config does not have
-is refused by name (:class:`VariantUnavailable`): running it as plain kunserve would put a wrong label on a row.
+An ablation variant is the kunserve policy with one mechanism switched off through the cluster config; the
+``kunserve+autoscale`` variant adds one instead: standby workers the memory manager activates when no drop plan meets
+the requirement (README "Discovery and autoscaling"). This table is the only place that says which switch each
+variant turns. A variant whose switch this build's config does not have is refused by name
+(:class:`VariantUnavailable`): running it as plain kunserve would put a wrong label on a row.
 """
 
 from __future__ import annotations
@@ -30,10 +32,14 @@ class PolicyVariant:
     name: str
     policy: str                      # the overload policy it varies
     overrides: tuple[Override, ...]
-    without: str                     # what it switches off
+    without: str                     # what it switches off ("" for a variant that adds something)
+    adds: str = ""                   # what it adds
+    standby: int = 0                 # standby workers its cluster starts beside the configured ones
 
     def describe(self) -> str:
         sets = ", ".join(f"{o.name} = {o.value!r}" for o in self.overrides)
+        if self.adds:
+            return f"{self.policy} with {self.adds} ({sets})"
         return f"{self.policy} without {self.without} ({sets})"
 
 
@@ -46,6 +52,12 @@ POLICY_VARIANTS: dict[str, PolicyVariant] = {v.name: v for v in (
     # in (0, 1), so it cannot be the switch).
     PolicyVariant("kunserve-no-restore", "kunserve", (Override("monitor", "restore_hold_s", math.inf),),
                   "the automatic restore after the burst (§4.4): groups stay merged"),
+    # §4.4: the seconds a drop buys hide a new instance's cold start. One standby worker (loaded, not serving) joins
+    # when no drop plan meets the requirement or a drop holds for 5 s, and is given back after 10 s calm.
+    PolicyVariant("kunserve+autoscale", "kunserve", (
+        Override("autoscale", "scaler", "local"), Override("autoscale", "hold_s", 5.0),
+        Override("autoscale", "scale_down_hold_s", 10.0), Override("autoscale", "cooldown_s", 1.0)), "",
+        adds="one standby worker the autoscaler activates behind the drop (§4.4)", standby=1),
 )}
 
 

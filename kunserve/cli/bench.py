@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kunserve import client
+from kunserve.benchkit import cluster_metrics
 from kunserve.benchkit.calibrate import (
     DEFAULT_OVERLOAD,
     NEVER_OVERLOADED,
@@ -98,8 +99,8 @@ from kunserve.benchkit.trace import (
     upscale,
 )
 from kunserve.benchkit.variants import POLICY_VARIANTS, VariantUnavailable, apply_variant, base_policy
-from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_ports, with_workers
-from kunserve.shared.config import ClusterConfig, ConfigError, load_config
+from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_ports, standby_sections, with_workers
+from kunserve.shared.config import ClusterConfig, ConfigError, WorkerSection, load_config
 from kunserve.shared.policy.overload_policies import OVERLOAD_POLICIES
 from kunserve.shared.rpc import health_check
 
@@ -669,7 +670,23 @@ METRICS: dict[str, Callable[[dict], float | None]] = {
     "memory_hold_s": lambda d: d["holds"]["memory_hold_s"],
     "peak_demand_ratio": lambda d: d["overload"]["peak_ratio"],
     "max_kv_usage": lambda d: d["overload"]["max_kv_usage"],
+    # read from the cluster's /metrics before it stops (local rows only): see cluster_figures
+    "queue_mean_s": lambda d: (d.get("queue_time") or {}).get("mean_s"),
+    "queue_p99_s": lambda d: (d.get("queue_time") or {}).get("p99_s"),
+    "autoscale_to_serving_s": lambda d: (d.get("autoscale") or {}).get("time_to_serving_s"),
+    "drop_to_new_instance_s": lambda d: (cluster_metrics.drop_to_new_instance(d["samples"])
+                                         if d.get("autoscale") is not None else None),
 }
+
+
+def cluster_figures(cfg: ClusterConfig, standby: Sequence[WorkerSection]) -> dict:
+    """How long requests queued in the workers (every worker's histogram, standby ones included) and, with an
+    autoscaler, what it did: read from the services' /metrics at the end of a run."""
+    workers = [f"{w.host}:{w.metrics_port}" for w in [*cfg.workers, *standby] if w.metrics_port]
+    out: dict = {"queue_time": cluster_metrics.queue_time(workers)}
+    if cfg.autoscale.scaler != "none" and cfg.memory_manager.metrics_port:
+        out["autoscale"] = cluster_metrics.autoscale(f"{cfg.memory_manager.host}:{cfg.memory_manager.metrics_port}")
+    return out
 
 
 def compare_record(runs: dict[str, list[dict]], rows: Sequence[str]) -> dict:
@@ -818,7 +835,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                  cluster={**row.endpoint.describe(), "external": True})
             else:
                 cfg = compare_config(args, name)
-                cluster = LocalCluster(cfg, run_dir=run_dir / "cluster")
+                standby = standby_sections(cfg, POLICY_VARIANTS[name].standby if name in POLICY_VARIANTS else 0,
+                                           free_ports=True)
+                cluster = LocalCluster(cfg, run_dir=run_dir / "cluster", standby=standby)
                 console.print(f"[bold]{name}[/] run {k}: starting a fresh cluster (logs: {run_dir / 'cluster'})")
                 try:
                     cluster.start(timeout_s=args.start_timeout)
@@ -837,6 +856,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                                    label=f"{name} {k}", seed=args.seed, timeout_s=args.request_timeout,
                                                    stop_flag=stop_flag,
                                                    creds=client.credentials_from(cluster.cfg, environ={}))
+                    figures = cluster_figures(cfg, standby)
                 finally:
                     cluster.stop()
                 doc = run_record(outcome, policy=name, trace_source=source, trace=trace,
@@ -845,7 +865,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                           "model": cfg.model.path or "embedded tiny model",
                                           "overload_policy": cfg.policy.overload,
                                           **({"variant": POLICY_VARIANTS[name].describe()} if name in POLICY_VARIANTS
-                                             else {})})
+                                             else {}), **({"standby": len(standby)} if standby else {})})
+                doc.update(figures)
             doc["run"] = k
             runs.setdefault(name, []).append(doc)
             _write_json(run_dir / "result.json", doc)
@@ -876,12 +897,34 @@ def cmd_compare(args: argparse.Namespace) -> int:
     shown = {name: representative(docs) for name, docs in ordered.items()}
     png = plot_compare(shown, {p: d["summary"]["slo"] for p, d in shown.items()}, out / "compare.png")
     render_table(console, ordered, comparison)
+    render_queueing(console, comparison)
     console.print(f"wrote {out / 'compare.json'} (every run), {png} (each row's median run), per-run results under "
                   f"{out}/<row>/run-<n>/")
     if interrupted:
         console.print("[yellow]interrupted[/]: the results above are partial")
         return 130
     return 0
+
+
+def render_queueing(console, comparison: dict) -> None:
+    """Per local row: how long requests queued in the workers (mean, p99), and with an autoscaler the time from
+    "autoscale needed" to the new instance serving (medians over the runs)."""
+    lines = []
+    for name, m in comparison["medians"].items():
+        mean, p99, to_serving, after_drop = (m[k]["median"] for k in (
+            "queue_mean_s", "queue_p99_s", "autoscale_to_serving_s", "drop_to_new_instance_s"))
+        if mean is None and to_serving is None:
+            continue
+        text = f"  {name}: queue time in the workers mean {_ms(mean)} ms, p99 <= {_ms(p99)} ms"
+        if to_serving is not None:
+            text += f"; the need (autoscale needed, or the drop held) -> new instance serving {to_serving:.2f} s"
+        if after_drop is not None:
+            text += f"; first drop -> new instance in the layout {after_drop:.1f} s"
+        lines.append(text)
+    if lines:
+        console.print("queueing (kunserve:request_queue_time_seconds, every worker merged; p99 is a bucket bound):")
+        for line in lines:
+            console.print(line)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

@@ -197,7 +197,7 @@ def status_view(status: admin_pb2.AdminStatus, before: admin_pb2.AdminStatus | N
         seen.add(s.worker_id)
         lay = layout.get(s.worker_id)
         serving = lay.serving if lay is not None else s.serving
-        t.add_row(s.worker_id, s.address, f"{s.layer_start}-{s.layer_end}",
+        t.add_row(s.worker_id + _membership_mark(lay), s.address, f"{s.layer_start}-{s.layer_end}",
                   (lay.group_id if lay else s.group_id) or "?",
                   ("yes" if serving else "no") + (" (transitioning)" if s.transitioning else ""),
                   "[green]yes[/]" if ws.healthy else f"[red]no[/] ({ws.last_report_age_s:.0f}s)",
@@ -210,7 +210,7 @@ def status_view(status: admin_pb2.AdminStatus, before: admin_pb2.AdminStatus | N
                   f"{100 * s.bubble_ratio:.1f}" if s.busy_seconds_total > 0 else "-")
     for wid, lay in sorted(layout.items()):
         if wid not in seen:
-            t.add_row(wid, lay.address, f"{lay.layer_start}-{lay.layer_end}", lay.group_id,
+            t.add_row(wid + _membership_mark(lay), lay.address, f"{lay.layer_start}-{lay.layer_end}", lay.group_id,
                       "yes" if lay.serving else "no", "[red]no stats[/]", "-", "-", "-", "-", "-", "-", "-", "-", "-")
     parts: list[Any] = [t]
     lines = format_groups(status, before)
@@ -220,9 +220,27 @@ def status_view(status: admin_pb2.AdminStatus, before: admin_pb2.AdminStatus | N
     usage = (cl.kv_blocks_used / cl.kv_blocks_total * 100) if cl.kv_blocks_total else 0.0
     parts.append(f"cluster KV: {cl.kv_blocks_used}/{cl.kv_blocks_total} blocks ({usage:.1f}%), queued demand "
                  f"{cl.queued_demand_blocks} blocks, overloaded: {'[red]yes[/]' if cl.overloaded else 'no'}")
+    standby = ", ".join(f"{w.worker_id} ({w.address})" for w in status.layout.standby)
+    if standby:
+        parts.append(f"standby workers: {escape(standby)}")
+    a = status.layout.autoscale
+    if a.scaler and a.scaler != "none":
+        line = f"autoscale ({a.scaler}): " + (f"[yellow]needed[/] for {a.needed_for_s:.1f}s" if a.needed else "not needed")
+        line += f", {a.pending} pending" if a.pending else ""
+        line += f", last: {escape(a.last_action)}" if a.last_action else ""
+        parts.append(line)
+        if a.last_error:
+            parts.append(f"[yellow]autoscale error[/]: {escape(a.last_error)}")
     if status.monitor_error:
         parts.append(f"[yellow]warning[/]: {escape(status.monitor_error)}")
     return Group(*parts)
+
+
+def _membership_mark(lay) -> str:
+    """A worker that joined at run time (not in the config), or one that is draining (leaving)."""
+    if lay is None:
+        return ""
+    return " (draining)" if lay.draining else (" (joined)" if lay.joined else "")
 
 
 def cmd_status(args: argparse.Namespace) -> None:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kunserve.cli.supervisor import RestartPolicy, Supervisor
@@ -77,6 +77,29 @@ def assign_free_ports(cfg: ClusterConfig) -> None:
         w.transfer_port = free_port()
 
 
+def standby_sections(cfg: ClusterConfig, n: int, *, free_ports: bool = False) -> list[WorkerSection]:
+    """n standby workers (``kunserve up --standby N``): ids after the configured ones (worker-2, worker-3, ... for two
+    seeds), on the ports after theirs, or on unused ports; the first worker's model layout (the whole model)."""
+    taken = {w.id for w in cfg.workers}
+    template = cfg.workers[0]
+    last = cfg.workers[-1]
+    out: list[WorkerSection] = []
+    i = len(cfg.workers)
+    while len(out) < n:
+        wid = f"worker-{i}"
+        i += 1
+        if wid in taken:
+            continue
+        k = len(out) + 1
+        out.append(WorkerSection(
+            id=wid, host=template.host, bind=template.bind,
+            port=free_port() if free_ports else last.port + k,
+            metrics_port=(free_port() if free_ports else last.metrics_port + k) if template.metrics_port else 0,
+            transfer_port=(free_port() if free_ports else last.transfer_port + k) if template.transfer_port or free_ports
+            else 0))
+    return out
+
+
 @dataclass
 class Child:
     name: str
@@ -104,8 +127,11 @@ class LocalCluster:
     """Start, health-check and stop a whole cluster of service processes."""
 
     def __init__(self, cfg: ClusterConfig, run_dir: str | os.PathLike[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, standby: Sequence[WorkerSection] = ()) -> None:
+        """`standby`: standby workers to start beside the configured ones (standby_sections); they load the model and
+        wait for the local scaler (autoscale.scaler = "local") to activate them."""
         self.cfg = cfg
+        self.standby = list(standby)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if not run_dir:
             self._tmp = tempfile.TemporaryDirectory(prefix="kunserve-")
@@ -128,6 +154,11 @@ class LocalCluster:
         for w in self.cfg.workers:
             out.append(Child(w.id, w.address, [py, "-m", "kunserve.services.worker", *cfg_arg, "--worker-id", w.id],
                              logs / f"{w.id}.log"))
+        for w in self.standby:
+            out.append(Child(w.id, w.address, [
+                py, "-m", "kunserve.services.worker", *cfg_arg, "--worker-id", w.id, "--standby", "--host", w.host,
+                "--port", str(w.port), "--transfer-port", str(w.transfer_port), "--metrics-port", str(w.metrics_port)],
+                logs / f"{w.id}.log"))
         out.append(Child("memory-manager", self.cfg.memory_manager.address,
                          [py, "-m", "kunserve.services.memory_manager", *cfg_arg], logs / "memory-manager.log"))
         out.append(Child("dispatcher", self.cfg.dispatcher.address,

@@ -17,7 +17,7 @@ import threading
 import grpc
 
 from kunserve import client
-from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_ports, with_workers
+from kunserve.cli.launcher import ClusterStartError, LocalCluster, assign_free_ports, standby_sections, with_workers
 from kunserve.shared import credentials
 from kunserve.shared.config import ClusterConfig, ConfigError, load_config
 
@@ -65,13 +65,21 @@ def cmd_up(args: argparse.Namespace) -> None:
         with_workers(cfg, args.workers)
     if args.free_ports:
         assign_free_ports(cfg)
+    if args.standby < 0:
+        _fail("--standby must be >= 0")
+    if args.standby and cfg.autoscale.scaler == "none":
+        cfg.autoscale.scaler = "local"  # standby workers are what the local scaler activates
+    elif args.standby and cfg.autoscale.scaler != "local":
+        _fail(f"--standby needs autoscale.scaler = \"local\" (the config says {cfg.autoscale.scaler!r})")
+    standby = standby_sections(cfg, args.standby, free_ports=args.free_ports)
     try:
         _default_credentials(cfg)
     except (OSError, ConfigError) as exc:
         _fail(f"cannot set up the cluster's credentials: {exc}")
-    cluster = LocalCluster(cfg, run_dir=args.run_dir)
+    cluster = LocalCluster(cfg, run_dir=args.run_dir, standby=standby)
     model = cfg.model.path or "embedded tiny model (seeded random weights)"
-    console.print(f"[bold]Starting KunServe[/]: {len(cfg.workers)} workers, model: {model}")
+    extra = f" + {len(standby)} standby (autoscale.scaler = local)" if standby else ""
+    console.print(f"[bold]Starting KunServe[/]: {len(cfg.workers)} workers{extra}, model: {model}")
     console.print(f"logs: {cluster.run_dir}")
     try:
         cluster.start(timeout_s=args.timeout,
@@ -89,8 +97,9 @@ def cmd_up(args: argparse.Namespace) -> None:
     table.add_column("service")
     table.add_column("address")
     table.add_column("log")
+    standby_ids = {w.id for w in standby}
     for c in cluster.children:
-        table.add_row(c.name, c.address, str(c.log_path))
+        table.add_row(c.name + (" (standby)" if c.name in standby_ids else ""), c.address, str(c.log_path))
         if c.name == "dispatcher" and cfg.dispatcher.http_port:
             table.add_row("  OpenAI API", f"http://{cfg.dispatcher.http_address}/v1", f"model {cfg.model.served_model!r}")
     console.print(table)
@@ -228,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--served-model-name", help="the model id on the HTTP front (default: the model directory's name)")
     up.add_argument("--http-port", type=int, help="port of the OpenAI-compatible HTTP front (default 8000; 0 = none)")
     up.add_argument("--free-ports", action="store_true", help="pick unused loopback ports instead of the configured ones")
+    up.add_argument("--standby", type=int, default=0, metavar="N",
+                    help="also start N standby workers: they load the model and join when the autoscaler asks for an "
+                         "instance (sets autoscale.scaler = local; README \"Discovery and autoscaling\")")
     up.add_argument("--run-dir", help="directory for logs and the effective config (default: a temp dir)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every service to be healthy")
     up.add_argument("--demo", action="store_true", help="stream one generation once the cluster is up")
@@ -263,12 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _register_extra_commands(sub) -> None:
     """Later subcommands (bench, profile) register here without touching the core parser."""
-    from kunserve.cli import batch, bench, export_model, profile
+    from kunserve.cli import batch, bench, export_model, profile, simulate
 
     batch.register(sub)
     profile.register(sub)
     bench.add_bench_parser(sub)
     export_model.register(sub)
+    simulate.register(sub)
 
 
 def main(argv: list[str] | None = None) -> None:

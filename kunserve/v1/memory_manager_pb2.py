@@ -25,31 +25,43 @@ _sym_db = _symbol_database.Default()
 from kunserve.v1 import common_pb2 as kunserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kunserve/v1/memory_manager.proto\x12\x0bkunserve.v1\x1a\x18kunserve/v1/common.proto\"H\n\x0eMigrateRequest\x12\x12\n\nsrc_worker\x18\x01 \x01(\t\x12\x12\n\ndst_worker\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x03\"\"\n\x0cGroupMembers\x12\x12\n\nworker_ids\x18\x01 \x03(\t\"y\n\x0b\x44ropRequest\x12\x17\n\x0frequired_blocks\x18\x01 \x01(\x03\x12\x16\n\x0erequired_bytes\x18\x02 \x01(\x03\x12)\n\x06groups\x18\x03 \x03(\x0b\x32\x19.kunserve.v1.GroupMembers\x12\x0e\n\x06reason\x18\x04 \x01(\t\"]\n\x0cPlannedGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12*\n\x07members\x18\x02 \x03(\x0b\x32\x19.kunserve.v1.WorkerLayout\x12\x0f\n\x07\x63hanged\x18\x03 \x01(\x08\"\xc5\x01\n\rDropPlanReply\x12\x0b\n\x03met\x18\x01 \x01(\x08\x12\x18\n\x10\x61utoscale_needed\x18\x02 \x01(\x08\x12\x10\n\x08\x66\x61llback\x18\x03 \x01(\t\x12\x16\n\x0erequired_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x66reed_bytes\x18\x05 \x01(\x03\x12\x14\n\x0c\x66reed_blocks\x18\x06 \x01(\x03\x12)\n\x06groups\x18\x07 \x03(\x0b\x32\x19.kunserve.v1.PlannedGroup\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\"\"\n\x0eRestoreRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\xe8\x03\n\x10TransitionReport\x12\n\n\x02op\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tcompleted\x18\x03 \x01(\x08\x12\x13\n\x0brolled_back\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12)\n\x06groups\x18\x06 \x03(\x0b\x32\x19.kunserve.v1.PlannedGroup\x12\x16\n\x0erequests_moved\x18\x07 \x01(\x05\x12\x16\n\x0ekv_bytes_moved\x18\x08 \x01(\x03\x12\x14\n\x0cplan_seconds\x18\t \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\n \x01(\x01\x12\x18\n\x10\x65xchange_seconds\x18\x0b \x01(\x01\x12\x15\n\rremap_seconds\x18\x0c \x01(\x01\x12\x15\n\rtotal_seconds\x18\r \x01(\x01\x12\x18\n\x10\x61utoscale_needed\x18\x0e \x01(\x08\x12\x18\n\x10kv_in_background\x18\x0f \x01(\x08\x12\x1f\n\x17weight_bytes_from_peers\x18\x10 \x01(\x03\x12\x1e\n\x16weight_bytes_from_host\x18\x11 \x01(\x03\x12$\n\x1cweight_bytes_from_checkpoint\x18\x12 \x01(\x03\x12\x15\n\rpause_seconds\x18\x13 \x01(\x01\"\xaa\x01\n\x0cWorkerLayout\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x11\n\treachable\x18\x06 \x01(\x08\x12\x18\n\x10transfer_address\x18\x07 \x01(\t\x12\x0f\n\x07serving\x18\x08 \x01(\x08\"d\n\rClusterLayout\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x18\n\x10num_layers_model\x18\x02 \x01(\x05\x12*\n\x07workers\x18\x03 \x03(\x0b\x32\x19.kunserve.v1.WorkerLayout2\xdd\x02\n\rMemoryManager\x12;\n\tGetLayout\x12\x12.kunserve.v1.Empty\x1a\x1a.kunserve.v1.ClusterLayout\x12@\n\x08PlanDrop\x12\x18.kunserve.v1.DropRequest\x1a\x1a.kunserve.v1.DropPlanReply\x12?\n\x04\x44rop\x12\x18.kunserve.v1.DropRequest\x1a\x1d.kunserve.v1.TransitionReport\x12\x45\n\x07Restore\x12\x1b.kunserve.v1.RestoreRequest\x1a\x1d.kunserve.v1.TransitionReport\x12\x45\n\x07Migrate\x12\x1b.kunserve.v1.MigrateRequest\x1a\x1d.kunserve.v1.TransitionReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kunserve/v1/memory_manager.proto\x12\x0bkunserve.v1\x1a\x18kunserve/v1/common.proto\"\xf7\x01\n\x10ModelFingerprint\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\x11\n\tnum_heads\x18\x05 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\x05\x12\x19\n\x11intermediate_size\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x15\n\rmax_model_len\x18\t \x01(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x12\n\ncheckpoint\x18\x0b \x01(\t\"\xc1\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12,\n\x05model\x18\x03 \x01(\x0b\x32\x1d.kunserve.v1.ModelFingerprint\x12\x0f\n\x07standby\x18\x04 \x01(\x08\x12\x17\n\x0fmembers_version\x18\x05 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x03\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\"s\n\x13RegisterWorkerReply\x12\x0c\n\x04seed\x18\x01 \x01(\x08\x12\x17\n\x0fmembers_version\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x13\n\x0bheartbeat_s\x18\x04 \x01(\x01\x12\x0f\n\x07removed\x18\x05 \x01(\x08\"Q\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"H\n\x0eMigrateRequest\x12\x12\n\nsrc_worker\x18\x01 \x01(\t\x12\x12\n\ndst_worker\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x03\"\"\n\x0cGroupMembers\x12\x12\n\nworker_ids\x18\x01 \x03(\t\"y\n\x0b\x44ropRequest\x12\x17\n\x0frequired_blocks\x18\x01 \x01(\x03\x12\x16\n\x0erequired_bytes\x18\x02 \x01(\x03\x12)\n\x06groups\x18\x03 \x03(\x0b\x32\x19.kunserve.v1.GroupMembers\x12\x0e\n\x06reason\x18\x04 \x01(\t\"]\n\x0cPlannedGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12*\n\x07members\x18\x02 \x03(\x0b\x32\x19.kunserve.v1.WorkerLayout\x12\x0f\n\x07\x63hanged\x18\x03 \x01(\x08\"\xc5\x01\n\rDropPlanReply\x12\x0b\n\x03met\x18\x01 \x01(\x08\x12\x18\n\x10\x61utoscale_needed\x18\x02 \x01(\x08\x12\x10\n\x08\x66\x61llback\x18\x03 \x01(\t\x12\x16\n\x0erequired_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x66reed_bytes\x18\x05 \x01(\x03\x12\x14\n\x0c\x66reed_blocks\x18\x06 \x01(\x03\x12)\n\x06groups\x18\x07 \x03(\x0b\x32\x19.kunserve.v1.PlannedGroup\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\"\"\n\x0eRestoreRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\xe8\x03\n\x10TransitionReport\x12\n\n\x02op\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tcompleted\x18\x03 \x01(\x08\x12\x13\n\x0brolled_back\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12)\n\x06groups\x18\x06 \x03(\x0b\x32\x19.kunserve.v1.PlannedGroup\x12\x16\n\x0erequests_moved\x18\x07 \x01(\x05\x12\x16\n\x0ekv_bytes_moved\x18\x08 \x01(\x03\x12\x14\n\x0cplan_seconds\x18\t \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\n \x01(\x01\x12\x18\n\x10\x65xchange_seconds\x18\x0b \x01(\x01\x12\x15\n\rremap_seconds\x18\x0c \x01(\x01\x12\x15\n\rtotal_seconds\x18\r \x01(\x01\x12\x18\n\x10\x61utoscale_needed\x18\x0e \x01(\x08\x12\x18\n\x10kv_in_background\x18\x0f \x01(\x08\x12\x1f\n\x17weight_bytes_from_peers\x18\x10 \x01(\x03\x12\x1e\n\x16weight_bytes_from_host\x18\x11 \x01(\x03\x12$\n\x1cweight_bytes_from_checkpoint\x18\x12 \x01(\x03\x12\x15\n\rpause_seconds\x18\x13 \x01(\x01\"\xcc\x01\n\x0cWorkerLayout\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x11\n\treachable\x18\x06 \x01(\x08\x12\x18\n\x10transfer_address\x18\x07 \x01(\t\x12\x0f\n\x07serving\x18\x08 \x01(\x08\x12\x0e\n\x06joined\x18\t \x01(\x08\x12\x10\n\x08\x64raining\x18\n \x01(\x08\"3\n\rStandbyWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x9b\x01\n\x0e\x41utoscaleState\x12\x0e\n\x06scaler\x18\x01 \x01(\t\x12\x0e\n\x06needed\x18\x02 \x01(\x08\x12\x14\n\x0cneeded_for_s\x18\x03 \x01(\x01\x12\x0f\n\x07pending\x18\x04 \x01(\x05\x12\x19\n\x11standby_available\x18\x05 \x01(\x05\x12\x13\n\x0blast_action\x18\x06 \x01(\t\x12\x12\n\nlast_error\x18\x07 \x01(\t\"\xda\x01\n\rClusterLayout\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x18\n\x10num_layers_model\x18\x02 \x01(\x05\x12*\n\x07workers\x18\x03 \x03(\x0b\x32\x19.kunserve.v1.WorkerLayout\x12\x17\n\x0fmembers_version\x18\x04 \x01(\x04\x12+\n\x07standby\x18\x05 \x03(\x0b\x32\x1a.kunserve.v1.StandbyWorker\x12.\n\tautoscale\x18\x06 \x01(\x0b\x32\x1b.kunserve.v1.AutoscaleState2\x83\x04\n\rMemoryManager\x12;\n\tGetLayout\x12\x12.kunserve.v1.Empty\x1a\x1a.kunserve.v1.ClusterLayout\x12@\n\x08PlanDrop\x12\x18.kunserve.v1.DropRequest\x1a\x1a.kunserve.v1.DropPlanReply\x12?\n\x04\x44rop\x12\x18.kunserve.v1.DropRequest\x1a\x1d.kunserve.v1.TransitionReport\x12\x45\n\x07Restore\x12\x1b.kunserve.v1.RestoreRequest\x1a\x1d.kunserve.v1.TransitionReport\x12\x45\n\x07Migrate\x12\x1b.kunserve.v1.MigrateRequest\x1a\x1d.kunserve.v1.TransitionReport\x12V\n\x0eRegisterWorker\x12\".kunserve.v1.RegisterWorkerRequest\x1a .kunserve.v1.RegisterWorkerReply\x12L\n\x10\x44\x65registerWorker\x12$.kunserve.v1.DeregisterWorkerRequest\x1a\x12.kunserve.v1.Emptyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kunserve.v1.memory_manager_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MIGRATEREQUEST']._serialized_start=75
-  _globals['_MIGRATEREQUEST']._serialized_end=147
-  _globals['_GROUPMEMBERS']._serialized_start=149
-  _globals['_GROUPMEMBERS']._serialized_end=183
-  _globals['_DROPREQUEST']._serialized_start=185
-  _globals['_DROPREQUEST']._serialized_end=306
-  _globals['_PLANNEDGROUP']._serialized_start=308
-  _globals['_PLANNEDGROUP']._serialized_end=401
-  _globals['_DROPPLANREPLY']._serialized_start=404
-  _globals['_DROPPLANREPLY']._serialized_end=601
-  _globals['_RESTOREREQUEST']._serialized_start=603
-  _globals['_RESTOREREQUEST']._serialized_end=637
-  _globals['_TRANSITIONREPORT']._serialized_start=640
-  _globals['_TRANSITIONREPORT']._serialized_end=1128
-  _globals['_WORKERLAYOUT']._serialized_start=1131
-  _globals['_WORKERLAYOUT']._serialized_end=1301
-  _globals['_CLUSTERLAYOUT']._serialized_start=1303
-  _globals['_CLUSTERLAYOUT']._serialized_end=1403
-  _globals['_MEMORYMANAGER']._serialized_start=1406
-  _globals['_MEMORYMANAGER']._serialized_end=1755
+  _globals['_MODELFINGERPRINT']._serialized_start=76
+  _globals['_MODELFINGERPRINT']._serialized_end=323
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=326
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=519
+  _globals['_REGISTERWORKERREPLY']._serialized_start=521
+  _globals['_REGISTERWORKERREPLY']._serialized_end=636
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=638
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=719
+  _globals['_MIGRATEREQUEST']._serialized_start=721
+  _globals['_MIGRATEREQUEST']._serialized_end=793
+  _globals['_GROUPMEMBERS']._serialized_start=795
+  _globals['_GROUPMEMBERS']._serialized_end=829
+  _globals['_DROPREQUEST']._serialized_start=831
+  _globals['_DROPREQUEST']._serialized_end=952
+  _globals['_PLANNEDGROUP']._serialized_start=954
+  _globals['_PLANNEDGROUP']._serialized_end=1047
+  _globals['_DROPPLANREPLY']._serialized_start=1050
+  _globals['_DROPPLANREPLY']._serialized_end=1247
+  _globals['_RESTOREREQUEST']._serialized_start=1249
+  _globals['_RESTOREREQUEST']._serialized_end=1283
+  _globals['_TRANSITIONREPORT']._serialized_start=1286
+  _globals['_TRANSITIONREPORT']._serialized_end=1774
+  _globals['_WORKERLAYOUT']._serialized_start=1777
+  _globals['_WORKERLAYOUT']._serialized_end=1981
+  _globals['_STANDBYWORKER']._serialized_start=1983
+  _globals['_STANDBYWORKER']._serialized_end=2034
+  _globals['_AUTOSCALESTATE']._serialized_start=2037
+  _globals['_AUTOSCALESTATE']._serialized_end=2192
+  _globals['_CLUSTERLAYOUT']._serialized_start=2195
+  _globals['_CLUSTERLAYOUT']._serialized_end=2413
+  _globals['_MEMORYMANAGER']._serialized_start=2416
+  _globals['_MEMORYMANAGER']._serialized_end=2931
 # @@protoc_insertion_point(module_scope)

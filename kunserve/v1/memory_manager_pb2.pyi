@@ -7,6 +7,74 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ModelFingerprint(_message.Message):
+    __slots__ = ("model_name", "architecture", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size", "max_model_len", "dtype", "checkpoint")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    INTERMEDIATE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_model_len: int
+    dtype: str
+    checkpoint: str
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., checkpoint: _Optional[str] = ...) -> None: ...
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "address", "model", "standby", "members_version", "kv_blocks_total", "incarnation")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    model: ModelFingerprint
+    standby: bool
+    members_version: int
+    kv_blocks_total: int
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., standby: _Optional[bool] = ..., members_version: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class RegisterWorkerReply(_message.Message):
+    __slots__ = ("seed", "members_version", "members", "heartbeat_s", "removed")
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    seed: bool
+    members_version: int
+    members: _containers.RepeatedScalarFieldContainer[str]
+    heartbeat_s: float
+    removed: bool
+    def __init__(self, seed: _Optional[bool] = ..., members_version: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., heartbeat_s: _Optional[float] = ..., removed: _Optional[bool] = ...) -> None: ...
+
+class DeregisterWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "reason", "incarnation")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    reason: str
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
 class MigrateRequest(_message.Message):
     __slots__ = ("src_worker", "dst_worker", "blocks")
     SRC_WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -114,7 +182,7 @@ class TransitionReport(_message.Message):
     def __init__(self, op: _Optional[str] = ..., epoch: _Optional[int] = ..., completed: _Optional[bool] = ..., rolled_back: _Optional[bool] = ..., error: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[PlannedGroup, _Mapping]]] = ..., requests_moved: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ..., plan_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., exchange_seconds: _Optional[float] = ..., remap_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., autoscale_needed: _Optional[bool] = ..., kv_in_background: _Optional[bool] = ..., weight_bytes_from_peers: _Optional[int] = ..., weight_bytes_from_host: _Optional[int] = ..., weight_bytes_from_checkpoint: _Optional[int] = ..., pause_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerLayout(_message.Message):
-    __slots__ = ("worker_id", "address", "layer_start", "layer_end", "group_id", "reachable", "transfer_address", "serving")
+    __slots__ = ("worker_id", "address", "layer_start", "layer_end", "group_id", "reachable", "transfer_address", "serving", "joined", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +191,8 @@ class WorkerLayout(_message.Message):
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     layer_start: int
@@ -131,14 +201,48 @@ class WorkerLayout(_message.Message):
     reachable: bool
     transfer_address: str
     serving: bool
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., group_id: _Optional[str] = ..., reachable: _Optional[bool] = ..., transfer_address: _Optional[str] = ..., serving: _Optional[bool] = ...) -> None: ...
+    joined: bool
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., group_id: _Optional[str] = ..., reachable: _Optional[bool] = ..., transfer_address: _Optional[str] = ..., serving: _Optional[bool] = ..., joined: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class StandbyWorker(_message.Message):
+    __slots__ = ("worker_id", "address")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class AutoscaleState(_message.Message):
+    __slots__ = ("scaler", "needed", "needed_for_s", "pending", "standby_available", "last_action", "last_error")
+    SCALER_FIELD_NUMBER: _ClassVar[int]
+    NEEDED_FIELD_NUMBER: _ClassVar[int]
+    NEEDED_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACTION_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    scaler: str
+    needed: bool
+    needed_for_s: float
+    pending: int
+    standby_available: int
+    last_action: str
+    last_error: str
+    def __init__(self, scaler: _Optional[str] = ..., needed: _Optional[bool] = ..., needed_for_s: _Optional[float] = ..., pending: _Optional[int] = ..., standby_available: _Optional[int] = ..., last_action: _Optional[str] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class ClusterLayout(_message.Message):
-    __slots__ = ("epoch", "num_layers_model", "workers")
+    __slots__ = ("epoch", "num_layers_model", "workers", "members_version", "standby", "autoscale")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     num_layers_model: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerLayout]
-    def __init__(self, epoch: _Optional[int] = ..., num_layers_model: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerLayout, _Mapping]]] = ...) -> None: ...
+    members_version: int
+    standby: _containers.RepeatedCompositeFieldContainer[StandbyWorker]
+    autoscale: AutoscaleState
+    def __init__(self, epoch: _Optional[int] = ..., num_layers_model: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerLayout, _Mapping]]] = ..., members_version: _Optional[int] = ..., standby: _Optional[_Iterable[_Union[StandbyWorker, _Mapping]]] = ..., autoscale: _Optional[_Union[AutoscaleState, _Mapping]] = ...) -> None: ...

@@ -60,6 +60,16 @@ class MemoryManagerStub:
                 request_serializer=kunserve_dot_v1_dot_memory__manager__pb2.MigrateRequest.SerializeToString,
                 response_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.TransitionReport.FromString,
                 _registered_method=True)
+        self.RegisterWorker = channel.unary_unary(
+                '/kunserve.v1.MemoryManager/RegisterWorker',
+                request_serializer=kunserve_dot_v1_dot_memory__manager__pb2.RegisterWorkerRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.RegisterWorkerReply.FromString,
+                _registered_method=True)
+        self.DeregisterWorker = channel.unary_unary(
+                '/kunserve.v1.MemoryManager/DeregisterWorker',
+                request_serializer=kunserve_dot_v1_dot_memory__manager__pb2.DeregisterWorkerRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class MemoryManagerServicer:
@@ -101,6 +111,24 @@ class MemoryManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterWorker(self, request, context):
+        """Runtime membership (README "Discovery and autoscaling"). Every worker calls RegisterWorker at start-up and
+        then every heartbeat: a configured worker (a seed) to say which model it serves, a worker the config does
+        not list to join the cluster as a whole instance of its own, a standby worker to offer itself to the local
+        scaler. A worker whose model differs from the cluster's is refused with FAILED_PRECONDITION naming every
+        difference; UNAVAILABLE: the memory manager does not know the cluster's model yet (retry).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeregisterWorker(self, request, context):
+        """A worker leaving on purpose (shutdown, drained): removed from the layout at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +156,16 @@ def add_MemoryManagerServicer_to_server(servicer, server):
                     servicer.Migrate,
                     request_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.MigrateRequest.FromString,
                     response_serializer=kunserve_dot_v1_dot_memory__manager__pb2.TransitionReport.SerializeToString,
+            ),
+            'RegisterWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterWorker,
+                    request_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.RegisterWorkerRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_memory__manager__pb2.RegisterWorkerReply.SerializeToString,
+            ),
+            'DeregisterWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterWorker,
+                    request_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.DeregisterWorkerRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_common__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +303,60 @@ class MemoryManager:
             '/kunserve.v1.MemoryManager/Migrate',
             kunserve_dot_v1_dot_memory__manager__pb2.MigrateRequest.SerializeToString,
             kunserve_dot_v1_dot_memory__manager__pb2.TransitionReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.MemoryManager/RegisterWorker',
+            kunserve_dot_v1_dot_memory__manager__pb2.RegisterWorkerRequest.SerializeToString,
+            kunserve_dot_v1_dot_memory__manager__pb2.RegisterWorkerReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.MemoryManager/DeregisterWorker',
+            kunserve_dot_v1_dot_memory__manager__pb2.DeregisterWorkerRequest.SerializeToString,
+            kunserve_dot_v1_dot_common__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ActivateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ActivateReply(_message.Message):
+    __slots__ = ("worker_id", "address")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("timeout_s", "to_standby")
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TO_STANDBY_FIELD_NUMBER: _ClassVar[int]
+    timeout_s: float
+    to_standby: bool
+    def __init__(self, timeout_s: _Optional[float] = ..., to_standby: _Optional[bool] = ...) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("finished", "handed_over", "seconds")
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    finished: int
+    handed_over: int
+    seconds: float
+    def __init__(self, finished: _Optional[int] = ..., handed_over: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class UnitMember(_message.Message):
     __slots__ = ("worker_id", "transfer_address", "layer_start", "layer_end")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

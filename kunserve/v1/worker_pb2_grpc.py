@@ -100,6 +100,16 @@ class WorkerStub:
                 request_serializer=kunserve_dot_v1_dot_worker__pb2.PeerAddresses.SerializeToString,
                 response_deserializer=kunserve_dot_v1_dot_worker__pb2.PeerLinks.FromString,
                 _registered_method=True)
+        self.Activate = channel.unary_unary(
+                '/kunserve.v1.Worker/Activate',
+                request_serializer=kunserve_dot_v1_dot_worker__pb2.ActivateRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_worker__pb2.ActivateReply.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kunserve.v1.Worker/Drain',
+                request_serializer=kunserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_worker__pb2.DrainReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -197,6 +207,23 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Activate(self, request, context):
+        """Standby workers (`kunserve up --standby N`, the local scaler): Activate makes a standby worker join the
+        cluster (it registers with the memory manager and starts serving; FAILED_PRECONDITION when it is not a
+        standby worker). Drain stops new requests, lets the running ones finish for up to timeout_s and ends the
+        rest so the dispatcher resumes them elsewhere (no request is dropped), deregisters and, with to_standby,
+        goes back to standby.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -264,6 +291,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ConnectPeers,
                     request_deserializer=kunserve_dot_v1_dot_worker__pb2.PeerAddresses.FromString,
                     response_serializer=kunserve_dot_v1_dot_worker__pb2.PeerLinks.SerializeToString,
+            ),
+            'Activate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Activate,
+                    request_deserializer=kunserve_dot_v1_dot_worker__pb2.ActivateRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_worker__pb2.ActivateReply.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kunserve_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_worker__pb2.DrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -617,6 +654,60 @@ class Worker:
             '/kunserve.v1.Worker/ConnectPeers',
             kunserve_dot_v1_dot_worker__pb2.PeerAddresses.SerializeToString,
             kunserve_dot_v1_dot_worker__pb2.PeerLinks.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Activate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.Worker/Activate',
+            kunserve_dot_v1_dot_worker__pb2.ActivateRequest.SerializeToString,
+            kunserve_dot_v1_dot_worker__pb2.ActivateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.Worker/Drain',
+            kunserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+            kunserve_dot_v1_dot_worker__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,6 +26,7 @@ from kunserve.shared.model.tokenizer import load_tokenizer
 from kunserve.v1 import batch_pb2_grpc, generation_pb2_grpc
 
 ROUTER_POLL_INTERVAL_S = 0.1
+LAYOUT_POLL_INTERVAL_S = 0.5  # how often the memory manager's layout is read: workers that join, drain or leave
 WORKER_WAIT_S = 60.0  # at start-up, wait this long for every worker before reporting SERVING
 
 
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             healthy = await pool.wait_for_workers(WORKER_WAIT_S)
             log.info("workers_reachable", healthy=healthy, configured=len(cfg.workers))
             tasks.append(asyncio.create_task(pool.poll_forever(ROUTER_POLL_INTERVAL_S)))
+            tasks.append(asyncio.create_task(pool.discover_forever(LAYOUT_POLL_INTERVAL_S)))
             runner.start()  # resumes the batches that were in progress when the dispatcher last stopped
             if cfg.dispatcher.http_port:  # listening before the health check says SERVING
                 host, port = cfg.dispatcher.http_bind

@@ -13,6 +13,10 @@ request survives what happens to the worker serving it:
   ``dispatcher.stall_timeout_s``): it leaves routing, its calls are cancelled (which frees their KV when it
   wakes up) and its requests resume elsewhere the same way.
 
+The workers it routes to are the config's plus the ones that joined at run time: it follows the memory
+manager's layout (``GetLayout``), adding joined workers, routing no new request to a draining one, and
+dropping a worker that left (README "Discovery and autoscaling").
+
 It also guards the cluster (see kunserve.shared.policy.admission): prompts are measured before they are tokenized
 or forwarded, requests beyond the in-flight and queued-prompt-token bounds get RESOURCE_EXHAUSTED with a
 retry hint, an accepted request that gets no first token within ``dispatcher.queue_timeout_s`` gets the same
@@ -42,7 +46,15 @@ from kunserve.shared.policy.router import FreenessRouter, RoutingLoad
 from kunserve.shared.rpc import WORKER_END, channel
 from kunserve.shared.wire.cluster_state import report_from_pb
 from kunserve.shared.wire.requests import REQUEST_CLASSES, sampling_from_pb
-from kunserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kunserve.v1 import (
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    memory_manager_pb2,
+    memory_manager_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 
 MAX_REQUEST_ID_LEN = 256
 MAX_RESUMES = 3  # worker failures after the first token before the client gets UNAVAILABLE
@@ -52,6 +64,7 @@ MAX_WORKER_CRASHES = 2
 MAX_MOVES = 32  # layout moves of one request (each is an attach): a bound against ping-pong
 ROUTE_RETRY_S = 0.05  # pause between polls while waiting for a routable worker
 POLL_TIMEOUT_S = 1.0
+LAYOUT_TIMEOUT_S = 2.0
 CANCEL_RPC_TIMEOUT_S = 5.0
 SHUTTING_DOWN = "the dispatcher is shutting down"
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's retry convention: when to try again, in a trailer
@@ -149,12 +162,26 @@ class WorkerPool:
     times out makes the worker not routable for new requests until a later poll answers; one that stays
     unanswered -- or a worker whose engine has requests but stops progressing -- for ``stall_timeout_s``
     is *stalled*: unhealthy (until a poll sent after that answers) and reported to ``on_stall`` listeners,
-    which move its requests elsewhere."""
+    which move its requests elsewhere.
+
+    The pool starts with the config's workers (the seeds) and follows the memory manager's layout
+    (``apply_layout``): a worker that joined is added and polled, a draining one gets no new request, and a joined
+    worker that left is dropped (its calls still in flight end and resume elsewhere). Seeds stay."""
 
     def __init__(self, cfg: ClusterConfig, stall_timeout_s: float | None = None) -> None:
-        self.addresses = {w.id: w.address for w in cfg.workers}
-        self.channels = {wid: channel(addr) for wid, addr in self.addresses.items()}
-        self.stubs = {wid: worker_pb2_grpc.WorkerStub(ch) for wid, ch in self.channels.items()}
+        self.seeds = frozenset(w.id for w in cfg.workers)
+        self.memory_manager = cfg.memory_manager.address
+        self.addresses: dict[str, str] = {}
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+        self.draining: frozenset[str] = frozenset()  # leaving: no new request is routed there
+        self.members_version = 0  # of the last layout applied
+        self._pollers: dict[str, asyncio.Task] = {}
+        self._poll_interval_s: float | None = None  # set once poll_forever runs
+        self._mm_channel: grpc.aio.Channel | None = None
+        self._layout_error = ""  # the last GetLayout failure (logged once per episode)
+        for w in cfg.workers:
+            self.add(w.id, w.address)
         self._kv_tokens_seen = 0  # the routable units' KV capacity when last there was one (see capacity)
         self.router = FreenessRouter()
         self.liveness = Liveness(cfg.dispatcher.stall_timeout_s if stall_timeout_s is None else stall_timeout_s)
@@ -165,10 +192,83 @@ class WorkerPool:
         self._slow: set[str] = set()  # workers whose last poll timed out (logged once per episode)
         self._polls: dict[str, asyncio.Future] = {}
 
+    # -- membership ----------------------------------------------------------------------------------------------
+    def add(self, wid: str, address: str) -> None:
+        """Route to a worker at `address` from now on (a joined worker; one that moved gets a new channel)."""
+        if self.addresses.get(wid) == address:
+            return
+        old = self.channels.get(wid)
+        if old is not None:
+            asyncio.ensure_future(old.close())
+        self.addresses[wid] = address
+        self.channels[wid] = channel(address)
+        self.stubs[wid] = worker_pb2_grpc.WorkerStub(self.channels[wid])
+        if self._poll_interval_s is not None:
+            self._start_polling(wid)
+
+    def remove(self, wid: str) -> None:
+        """A joined worker left: no more routing or polling. Calls still open on its channel end with an error and
+        their requests resume elsewhere, as for a worker that died."""
+        poller = self._pollers.pop(wid, None)
+        if poller is not None:
+            poller.cancel()
+        self.stubs.pop(wid, None)
+        self.addresses.pop(wid, None)
+        self.router.workers.pop(wid, None)
+        self._healthy.pop(wid, None)
+        ch = self.channels.pop(wid, None)
+        if ch is not None:
+            asyncio.ensure_future(ch.close())
+
+    def apply_layout(self, layout: memory_manager_pb2.ClusterLayout) -> None:
+        """Follow the memory manager's layout: add the workers that joined, drop the joined workers it no longer
+        lists, and keep the draining ones out of routing."""
+        listed = {w.worker_id: w.address for w in layout.workers if w.address}
+        for wid, address in sorted(listed.items()):
+            if wid not in self.addresses or (wid not in self.seeds and self.addresses[wid] != address):
+                self.log.info("worker_discovered", worker=wid, address=address, members_version=layout.members_version)
+                self.add(wid, address)
+        for wid in [w for w in self.addresses if w not in listed and w not in self.seeds]:
+            self.log.info("worker_gone", worker=wid, members_version=layout.members_version)
+            self.remove(wid)
+        draining = frozenset(w.worker_id for w in layout.workers if w.draining)
+        if draining != self.draining:
+            self.log.info("workers_draining", workers=sorted(draining))
+        self.draining = draining
+        self.members_version = layout.members_version
+
+    async def discover(self, timeout: float = LAYOUT_TIMEOUT_S) -> bool:
+        """One GetLayout from the memory manager, applied; False when it did not answer (the pool stays as is)."""
+        if self._mm_channel is None:
+            self._mm_channel = channel(self.memory_manager)
+        try:
+            layout = await memory_manager_pb2_grpc.MemoryManagerStub(self._mm_channel).GetLayout(
+                common_pb2.Empty(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            error = f"{exc.code().name}: {exc.details()}"
+            if error != self._layout_error:
+                self.log.warning("layout_unavailable", memory_manager=self.memory_manager, error=error)
+            self._layout_error = error
+            return False
+        if self._layout_error:
+            self.log.info("layout_available_again", memory_manager=self.memory_manager)
+            self._layout_error = ""
+        self.apply_layout(layout)
+        return True
+
+    async def discover_forever(self, interval_s: float) -> None:
+        while True:
+            await self.discover()
+            await asyncio.sleep(interval_s)
+
+    # -- polling ---------------------------------------------------------------------------------------------------
     async def poll_one(self, wid: str, timeout: float = POLL_TIMEOUT_S) -> None:
         sent = time.monotonic()
+        stub = self.stubs.get(wid)
+        if stub is None:
+            return  # it left
         try:
-            s = report_from_pb(await self.stubs[wid].GetStats(common_pb2.Empty(), timeout=timeout))
+            s = report_from_pb(await stub.GetStats(common_pb2.Empty(), timeout=timeout))
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 self.mark(wid, False)
@@ -180,6 +280,8 @@ class WorkerPool:
                 self._slow.add(wid)
                 self.log.warning("worker_poll_timed_out", worker=wid, timeout_s=timeout)
             return
+        if wid not in self.stubs:
+            return  # it left while we asked
         if sent < self._failed_at.get(wid, -1.0):
             return  # taken before a request saw this worker fail: stale, keep it unhealthy
         if wid in self._slow:
@@ -273,9 +375,23 @@ class WorkerPool:
             self.check_liveness(time.monotonic())
             await asyncio.sleep(interval_s)
 
+    def _start_polling(self, wid: str) -> None:
+        assert self._poll_interval_s is not None
+        if wid not in self._pollers:
+            self._pollers[wid] = asyncio.create_task(self._poll_worker_forever(wid, self._poll_interval_s))
+
     async def poll_forever(self, interval_s: float) -> None:
-        await asyncio.gather(*(self._poll_worker_forever(w, interval_s) for w in self.stubs),
-                             self._watch_forever(interval_s))
+        """Poll every worker (those that join later too) on its own, and watch their liveness."""
+        self._poll_interval_s = interval_s
+        for wid in list(self.stubs):
+            self._start_polling(wid)
+        try:
+            await self._watch_forever(interval_s)
+        finally:
+            self._poll_interval_s = None
+            for poller in self._pollers.values():
+                poller.cancel()
+            self._pollers.clear()
 
     async def close(self) -> None:
         for poll in self._polls.values():
@@ -283,6 +399,8 @@ class WorkerPool:
                 poll.cancel()
         for ch in self.channels.values():
             await ch.close()
+        if self._mm_channel is not None:
+            await self._mm_channel.close()
 
 
 class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
@@ -598,6 +716,8 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                 continue
             if seg.moved_to:
                 moves += 1
+                if seg.moved_to not in self.pool.stubs:
+                    await self.pool.discover()  # moved to a worker that joined since the last layout poll
                 if seg.moved_to in self.pool.stubs and moves <= MAX_MOVES:
                     self.log.info("request_moved", request_id=rid, from_worker=wid, to_worker=seg.moved_to,
                                   emitted=len(record.token_ids))
@@ -700,16 +820,17 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         while True:
             if record.cancelled or record.shutting_down or record.expired or self.stopping:
                 return None
+            avoid = dead | self.pool.draining
             if _offline(record):  # where online work leaves the most room
-                wid = router.choose_offline(len(record.prompt_token_ids) + len(record.token_ids) + 1, exclude=dead)
+                wid = router.choose_offline(len(record.prompt_token_ids) + len(record.token_ids) + 1, exclude=avoid)
             else:
-                wid = router.choose(exclude=dead)
+                wid = router.choose(exclude=avoid)
             if wid is not None:
                 if logged:
                     self.log.info("routable_worker_found", request_id=record.request_id, worker=wid)
                 return wid
             if polled:
-                alive = router.may_become_routable(exclude=dead)
+                alive = router.may_become_routable(exclude=avoid)
                 if not alive or time.monotonic() >= record.route_deadline:
                     raise RequestError(grpc.StatusCode.UNAVAILABLE, self._no_route_message(record, dead, failures))
                 if not logged:
@@ -726,6 +847,8 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             load = self.pool.router.workers.get(wid)
             if wid in dead:
                 state = "failed"
+            elif wid in self.pool.draining:
+                state = "draining"
             elif load is None or not load.healthy:
                 state = "unreachable"
             else:
@@ -739,7 +862,12 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         return msg
 
     async def _relay(self, record: RequestRecord, seg: _Segment, wreq: worker_pb2.WorkerGenerateRequest):
-        call = self.pool.stubs[seg.worker_id].Generate(wreq)
+        stub = self.pool.stubs.get(seg.worker_id)
+        if stub is None:  # it left the cluster between routing and here: as if its stream broke at once
+            seg.error = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                             details=f"worker {seg.worker_id} left the cluster")
+            return
+        call = stub.Generate(wreq)
         record.call = call
         try:
             async for ev in call:
@@ -792,8 +920,11 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                 call.cancel()
 
     async def _cancel_on_worker(self, wid: str, rid: str) -> None:
+        stub = self.pool.stubs.get(wid)
+        if stub is None:
+            return  # it left the cluster: nothing of the request is left there
         try:
-            await self.pool.stubs[wid].Cancel(common_pb2.CancelRequest(request_id=rid), timeout=CANCEL_RPC_TIMEOUT_S)
+            await stub.Cancel(common_pb2.CancelRequest(request_id=rid), timeout=CANCEL_RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError:
             pass
 
@@ -815,11 +946,14 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         record.cancelled = True
         record.wake.set()
         call, wid = record.call, record.worker_id
+        stub = self.pool.stubs.get(wid)
         if call is not None and not call.done():
             try:
+                if stub is None:  # its worker left the cluster: nothing to cancel there
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                               details=f"worker {wid} left the cluster")
                 # The worker frees the request and ends its stream with an ABORTED event (its index).
-                await self.pool.stubs[wid].Cancel(common_pb2.CancelRequest(request_id=rid),
-                                                  timeout=CANCEL_RPC_TIMEOUT_S)
+                await stub.Cancel(common_pb2.CancelRequest(request_id=rid), timeout=CANCEL_RPC_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 # Not (or no longer) there, or unreachable: end our call; the dispatcher answers ABORTED.
                 self.log.info("cancel_on_worker_failed", request_id=rid, worker=wid, code=exc.code().name)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from kunserve.services.common import load_service_config, load_service_credentials, service_arg_parser
+from kunserve.services.memory_manager.autoscaler import Autoscaler
+from kunserve.services.memory_manager.scalers import ScalerError, make_scaler
 from kunserve.services.memory_manager.servicer import AdminServicer, MemoryManager, MemoryManagerServicer
 from kunserve.shared import rpc
 from kunserve.shared.credentials import memory_manager_rules
@@ -22,6 +24,13 @@ def main(argv: list[str] | None = None) -> None:
     async def amain() -> None:
         mm = MemoryManager(cfg)
         tasks: list[asyncio.Task] = []
+        try:
+            scaler = make_scaler(cfg.autoscale, mm)
+        except ScalerError as exc:  # the cluster serves without autoscaling
+            log.error("autoscaler_unavailable", scaler=cfg.autoscale.scaler, code=exc.code, error=str(exc))
+            scaler = None
+        if scaler is not None:
+            mm.autoscaler = Autoscaler(mm, scaler, cfg.autoscale)
         metrics: MetricsServer | None = None
 
         def register(server) -> None:
@@ -32,6 +41,8 @@ def main(argv: list[str] | None = None) -> None:
             nonlocal metrics
             metrics = await serve_metrics(mm.registry, cfg.memory_manager.metrics_bind, "memory_manager.metrics_port")
             tasks.append(asyncio.create_task(mm.refresh_forever()))
+            if mm.autoscaler is not None:
+                tasks.append(asyncio.create_task(mm.autoscaler.run_forever()))
             if overload_handling(cfg.policy.overload).static_pairs:
                 # The static pipeline-parallel baseline: pairs hold half the layers each from the start.
                 # Formed before this service reports SERVING, so a started cluster is already in that layout.

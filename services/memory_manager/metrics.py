@@ -48,6 +48,11 @@ class DropClock:
     def seconds(self) -> float:
         return self._total + (self._clock() - self._since if self._since is not None else 0.0)
 
+    @property
+    def since(self) -> float | None:
+        """When the current drop state began (None: no pipeline group now)."""
+        return self._since
+
 
 def units_of(infos: Iterable[worker_pb2.WorkerInfo]) -> dict[str, tuple[int, int]]:
     """unit (group) id -> (members, KV capacity in blocks) from the workers' GetInfo. A group's members share one
@@ -61,7 +66,7 @@ def units_of(infos: Iterable[worker_pb2.WorkerInfo]) -> dict[str, tuple[int, int
 
 
 def layout_families(epoch: int, infos: Mapping[str, worker_pb2.WorkerInfo], configured: int, dropped_seconds: float,
-                    transition_running: bool) -> list[Metric]:
+                    transition_running: bool, joined: int = 0, standby: int = 0) -> list[Metric]:
     """The layout the memory manager keeps, as gauges (label group: the unit's id, a whole instance's is its worker's)."""
     units = units_of(infos.values())
     out: list[Metric] = []
@@ -74,6 +79,8 @@ def layout_families(epoch: int, infos: Mapping[str, worker_pb2.WorkerInfo], conf
     gauge("layout_epoch", "The cluster's layout epoch: it moves at every drop, restore and migration, and when a worker "
           "comes or goes.", epoch)
     gauge("workers_configured", "Workers in the config.", configured)
+    gauge("workers_joined", "Members that joined at run time (not in the config).", joined)
+    gauge("workers_standby", "Standby workers offering themselves to the local scaler.", standby)
     gauge("workers_reachable", "Workers that answered the latest GetInfo.", len(infos))
     gauge("num_groups", "Pipeline groups (units of more than one worker: layers dropped).",
           sum(1 for size, _ in units.values() if size > 1))
@@ -140,3 +147,22 @@ class TransitionMetrics:
 
     def refused(self, op: str, code: str) -> None:
         self.count[op if op in OPS else "drop"].labels("refused").inc()
+
+
+class AutoscaleMetrics:
+    """What the autoscaler did (README "Discovery and autoscaling")."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.scale_ups = Counter(P + "autoscale_scale_ups", "Instances the autoscaler asked its scaler for, by outcome: "
+                                 "requested, failed (the scaler refused or was unreachable), timed_out (not serving "
+                                 "within autoscale.scale_up_timeout_s), served.", ["outcome"], registry=registry)
+        self.scale_downs = Counter(P + "autoscale_scale_downs", "Added instances the autoscaler gave back, by outcome: "
+                                   "completed, failed.", ["outcome"], registry=registry)
+        self.time_to_serving = Histogram(P + "autoscale_time_to_serving_seconds", "From the need for an instance "
+                                         "(autoscale needed, or a drop held for autoscale.hold_s) to the instance "
+                                         "asked for serving.", buckets=TRANSITION_BUCKETS, registry=registry)
+        self.pending = Gauge(P + "autoscale_pending", "Instances asked for that do not serve yet.", registry=registry)
+        for label in ("requested", "failed", "timed_out", "served"):
+            self.scale_ups.labels(label)
+        for label in ("completed", "failed"):
+            self.scale_downs.labels(label)

@@ -66,14 +66,15 @@ class ClusterAccess(Protocol):
 
     @property
     def worker_ids(self) -> Sequence[str]:
-        """Every configured worker, in config order."""
+        """The members a transition may include: the configured workers in config order, then the workers that
+        joined at run time and every member knows of (none that is draining)."""
         ...
 
     @property
     def layout(self) -> LayoutEpoch: ...
 
     def worker_stub(self, worker_id: str) -> worker_pb2_grpc.WorkerStub | None:
-        """The stub of a configured worker (None for an unknown id)."""
+        """The stub of a member (None for an unknown id)."""
         ...
 
     async def refresh(self) -> None:

@@ -1,6 +1,9 @@
-"""Memory manager: keeps the cluster layout (rebuilt from the workers) and serves the admin port.
+"""Memory manager: keeps the cluster layout (rebuilt from the workers) and its membership, and serves the admin port.
 
-kunctl talks only to this service; it proxies cluster status from the monitor so that one admin
+The config's workers are the seeds; workers that join at run time register here (``RegisterWorker``), are checked
+against the cluster's model and become whole instances of their own; the layout every other service polls
+(``GetLayout``) is how the dispatcher and the monitor learn who joined and who left (README "Discovery and
+autoscaling"). kunctl talks only to this service; it proxies cluster status from the monitor so that one admin
 port is enough (compose publishes it on localhost only).
 """
 
@@ -8,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -17,11 +22,23 @@ from kunserve.shared.epochs import MAX_EPOCH
 from kunserve.shared.log import get_logger
 from kunserve.shared.metrics import Lazy, new_registry
 from kunserve.shared.policy.cluster_layout import LayoutState
+from kunserve.shared.policy.membership import Accepted, Membership, Refused, Registration
 from kunserve.shared.rpc import channel
 from kunserve.shared.wire.cluster_state import layout_entry_from_info, layout_to_pb
-from kunserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, memory_manager_pb2_grpc, monitor_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kunserve.shared.wire.membership import registration_from_pb
+from kunserve.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    memory_manager_pb2,
+    memory_manager_pb2_grpc,
+    monitor_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 
-from .metrics import DropClock, TransitionMetrics, layout_families
+from .autoscaler import Autoscaler
+from .metrics import AutoscaleMetrics, DropClock, TransitionMetrics, layout_families
 from .orchestrator import OrchestrationError, Orchestrator
 
 LINK_RETRY_S = 10.0  # how long a worker whose transfer links failed is left alone before it is asked again
@@ -41,15 +58,34 @@ def missing_links(infos: dict[str, worker_pb2.WorkerInfo]) -> dict[str, dict[str
     return out
 
 
-class MemoryManager:
-    """Owns the layout; refreshes it from the workers' GetInfo. Its metrics (the layout, the transitions) are in
-    `registry`."""
+class MembershipObserver(Protocol):
+    """Told when workers join, leave and first serve (the autoscaler)."""
 
-    def __init__(self, cfg: ClusterConfig, registry: CollectorRegistry | None = None) -> None:
+    def joined(self, worker_id: str) -> None: ...
+
+    def left(self, worker_id: str) -> None: ...
+
+    def serving(self, worker_id: str) -> None: ...
+
+
+class MemoryManager:
+    """Owns the layout and the membership; refreshes the layout from the members' GetInfo. Its metrics (the layout,
+    the transitions) are in `registry`."""
+
+    def __init__(self, cfg: ClusterConfig, registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
+        self.clock = clock
         self.layout = LayoutState()
         self.log = get_logger()
-        self._channels = {w.id: channel(w.address) for w in cfg.workers}
+        self.membership = Membership({w.id: w.address for w in cfg.workers},
+                                     member_timeout_s=cfg.memory_manager.member_timeout_s)
+        self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}  # worker id -> (address, channel)
+        self._closing: set[asyncio.Task] = set()
+        self.observers: list[MembershipObserver] = []
+        self._served: set[str] = set()  # joined workers seen serving (told to the observers once)
+        self.autoscaler: Autoscaler | None = None  # set when autoscale.scaler is not "none"
+        self._refreshing: asyncio.Task | None = None
         self.monitor_channel = channel(cfg.monitor.address)
         self.orchestrator = Orchestrator(self, cfg.memory_manager.transition_timeout_s,
                                          cfg.memory_manager.transition_lease_s,
@@ -59,31 +95,126 @@ class MemoryManager:
         self._link_retry_at: dict[str, float] = {}  # a worker whose links failed is asked again after this
         self.registry = registry if registry is not None else new_registry()
         self.orchestrator.observers.append(TransitionMetrics(self.registry))
+        self.autoscale_metrics = AutoscaleMetrics(self.registry)  # zeros while autoscale.scaler = "none"
         self.drop_clock = DropClock()
         self.registry.register(Lazy(lambda: layout_families(
-            self.layout.epoch, self._infos, len(self._channels), self.drop_clock.seconds(),
-            self.orchestrator.lock.locked())))
+            self.layout.epoch, self._infos, len(cfg.workers), self.drop_clock.seconds(),
+            self.orchestrator.lock.locked(), joined=sum(1 for w in self.membership.ids if self.membership.joined(w)),
+            standby=len(self.membership.standby))))
+
+    @property
+    def infos(self) -> dict[str, worker_pb2.WorkerInfo]:
+        """The latest GetInfo of each reachable member."""
+        return self._infos
+
+    def standby_ids(self) -> list[str]:
+        """Standby workers that offered themselves, oldest offer first (the local scaler activates these)."""
+        return [w for w, _ in sorted(self.membership.standby.items(), key=lambda kv: (kv[1].since, kv[0]))]
 
     @property
     def worker_ids(self) -> list[str]:
-        return list(self._channels)
+        """The members a transition may include: seeds, and joined workers every live member knows of (their
+        transfer links are accepted), never one that is draining."""
+        now = self.clock()
+        return [w for w in self.membership.ids if self.membership.plannable(w, now)]
 
     def worker_stub(self, worker_id: str) -> worker_pb2_grpc.WorkerStub | None:
-        """A stub for the worker; None when no such worker is configured."""
-        return self._stub(worker_id) if worker_id in self._channels else None
+        """A stub for the worker (a member or a standby worker); None when no such worker is known."""
+        ch = self._channel(worker_id)
+        return worker_pb2_grpc.WorkerStub(ch) if ch is not None else None
+
+    def _channel(self, worker_id: str) -> grpc.aio.Channel | None:
+        address = self.membership.address(worker_id)
+        if address is None:
+            return None
+        known = self._channels.get(worker_id)
+        if known is not None and known[0] == address:
+            return known[1]
+        if known is not None:  # the worker came back at another address
+            self._close_later(known[1])
+        ch = channel(address)
+        self._channels[worker_id] = (address, ch)
+        return ch
 
     def _stub(self, worker_id: str) -> worker_pb2_grpc.WorkerStub:
-        return worker_pb2_grpc.WorkerStub(self._channels[worker_id])
+        stub = self.worker_stub(worker_id)
+        if stub is None:
+            raise KeyError(worker_id)
+        return stub
+
+    def _close_later(self, ch: grpc.aio.Channel) -> None:
+        task = asyncio.ensure_future(ch.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def connected(self, worker_id: str, timeout: float) -> bool:
         """Wait (bounded) until the channel to a worker is connected. The layout refresh starts before the
         workers listen, so a channel can sit in reconnect backoff for up to a second after a worker came up;
         a fail-fast call in that window would report a healthy worker as unreachable."""
+        ch = self._channel(worker_id)
+        if ch is None:
+            return False
         try:
-            await asyncio.wait_for(self._channels[worker_id].channel_ready(), timeout)
+            await asyncio.wait_for(ch.channel_ready(), timeout)
             return True
         except TimeoutError:
             return False
+
+    # -- membership ----------------------------------------------------------------------------------------------
+    def register(self, reg: Registration) -> Accepted | Refused:
+        """A worker's RegisterWorker: a seed's model, a join, a heartbeat or a standby worker's offer."""
+        verdict = self.membership.register(reg, self.clock())
+        if isinstance(verdict, Refused):
+            self.log.warning("worker_refused", worker=reg.worker_id, address=reg.address, code=verdict.code,
+                             reason=verdict.message)
+        elif verdict.joined:
+            self.log.info("worker_joined", worker=reg.worker_id, address=reg.address,
+                          members_version=verdict.version, members=list(verdict.members))
+            for observer in self.observers:
+                observer.joined(reg.worker_id)
+            self._refresh_soon()  # into the layout now, not at the next periodic refresh
+        self.sync_layout()
+        return verdict
+
+    def _refresh_soon(self) -> None:
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self.refresh())
+
+    def deregister(self, worker_id: str, incarnation: str, reason: str) -> bool:
+        changed = self.membership.deregister(worker_id, incarnation)
+        if changed:
+            self.log.info("worker_deregistered", worker=worker_id, reason=reason or "-")
+        self.sync_layout()
+        return changed
+
+    def sync_layout(self) -> None:
+        """Take workers that are no longer members out of the layout, their infos and their channels."""
+        members = set(self.membership.ids)
+        for wid in [w for w in self.layout.workers if w not in members]:
+            del self.layout.workers[wid]
+            self.layout.epoch += 1
+            self._infos.pop(wid, None)
+            self._served.discard(wid)
+            self.log.info("worker_left", worker=wid, epoch=self.layout.epoch)
+            for observer in self.observers:
+                observer.left(wid)
+        for wid in [w for w in self._channels if self.membership.address(w) is None]:
+            self._close_later(self._channels.pop(wid)[1])
+
+    def layout_pb(self) -> memory_manager_pb2.ClusterLayout:
+        """The layout with the membership: joined and draining workers, the standby pool, the membership version."""
+        out = layout_to_pb(self.layout)
+        for w in out.workers:
+            w.joined = self.membership.joined(w.worker_id)
+            w.draining = self.membership.draining(w.worker_id)
+        out.members_version = self.membership.version
+        out.standby.extend(memory_manager_pb2.StandbyWorker(worker_id=s.worker_id, address=s.address)
+                           for _, s in sorted(self.membership.standby.items()))
+        if self.autoscaler is not None:
+            out.autoscale.CopyFrom(self.autoscaler.state_pb())
+        else:
+            out.autoscale.scaler = "none"
+        return out
 
     async def refresh(self, timeout: float = 1.0) -> None:
         async def one(worker_id: str) -> None:
@@ -93,10 +224,18 @@ class MemoryManager:
                 self.layout.mark_unreachable(worker_id)
                 self._infos.pop(worker_id, None)
                 return
+            if info.worker_id != worker_id:  # another process at that address
+                self.log.error("worker_identity_mismatch", worker=worker_id, answered=info.worker_id)
+                self.layout.mark_unreachable(worker_id)
+                self._infos.pop(worker_id, None)
+                return
             if info.epoch >= MAX_EPOCH:  # not acted on: the next epoch would overflow (shared/epochs.py)
                 self.log.error("worker_epoch_out_of_range", worker=worker_id, epoch=info.epoch)
                 self._infos.pop(worker_id, None)
                 return
+            if worker_id not in self.membership.members:
+                return  # it left while we asked
+            self.membership.heard(worker_id, self.clock())
             self._infos[worker_id] = info
             try:
                 if self.layout.observe(layout_entry_from_info(info), info.num_layers_model):
@@ -104,13 +243,25 @@ class MemoryManager:
                                   group=info.group_id, epoch=self.layout.epoch)
             except ValueError as exc:
                 self.log.error("layout_inconsistent", worker=worker_id, error=str(exc))
+            if info.serving and self.membership.joined(worker_id) and worker_id not in self._served:
+                self._served.add(worker_id)
+                for observer in self.observers:
+                    observer.serving(worker_id)
 
-        await asyncio.gather(*(one(w) for w in self._channels))
+        await asyncio.gather(*(one(w) for w in self.membership.ids))
+        gone, idle = self.membership.expire(self.clock())
+        for wid in gone:
+            self.log.warning("worker_expired", worker=wid, member_timeout_s=self.membership.member_timeout_s)
+        for wid in idle:
+            self.log.info("standby_worker_expired", worker=wid)
+        self.sync_layout()
         self.drop_clock.observe(any(len(i.group_members) > 1 for i in self._infos.values()))
         await self.abort_orphans()
         if self.cfg.memory_manager.preconnect and (self._linking is None or self._linking.done()):
             now = time.monotonic()
-            missing = {w: p for w, p in missing_links(self._infos).items() if self._link_retry_at.get(w, 0.0) <= now}
+            plannable = set(self.worker_ids)
+            infos = {w: i for w, i in self._infos.items() if w in plannable}
+            missing = {w: p for w, p in missing_links(infos).items() if self._link_retry_at.get(w, 0.0) <= now}
             if missing:
                 self._linking = asyncio.create_task(self._link(missing))
 
@@ -160,8 +311,12 @@ class MemoryManager:
     async def close(self) -> None:
         if self._linking is not None:
             self._linking.cancel()
-        for ch in self._channels.values():
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+        for _, ch in self._channels.values():
             await ch.close()
+        self._channels.clear()
+        await asyncio.gather(*self._closing, return_exceptions=True)
         await self.monitor_channel.close()
 
 
@@ -170,7 +325,22 @@ class MemoryManagerServicer(memory_manager_pb2_grpc.MemoryManagerServicer):
         self.mm = mm
 
     async def GetLayout(self, request, context):
-        return layout_to_pb(self.mm.layout)
+        return self.mm.layout_pb()
+
+    async def RegisterWorker(self, request, context):
+        verdict = self.mm.register(registration_from_pb(request))
+        if isinstance(verdict, Refused):
+            await context.abort(getattr(grpc.StatusCode, verdict.code), verdict.message)
+        assert isinstance(verdict, Accepted)
+        return memory_manager_pb2.RegisterWorkerReply(
+            seed=verdict.seed, members_version=verdict.version, members=list(verdict.members),
+            heartbeat_s=self.mm.membership.member_timeout_s / 4, removed=verdict.removed)
+
+    async def DeregisterWorker(self, request, context):
+        if not request.worker_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id: must not be empty")
+        self.mm.deregister(request.worker_id, request.incarnation, request.reason)
+        return common_pb2.Empty()
 
     async def _orchestrate(self, context, coro):
         try:
@@ -214,7 +384,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.mm = mm
 
     async def GetStatus(self, request, context):
-        out = admin_pb2.AdminStatus(layout=layout_to_pb(self.mm.layout))
+        out = admin_pb2.AdminStatus(layout=self.mm.layout_pb())
         try:
             out.cluster.CopyFrom(await monitor_pb2_grpc.MonitorStub(self.mm.monitor_channel).GetClusterStatus(
                 common_pb2.Empty(), timeout=2.0, wait_for_ready=True))  # not fail-fast: see MemoryManager.connected
@@ -225,11 +395,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def _worker(self, worker_id: str, context) -> worker_pb2_grpc.WorkerStub:
         stub = self.mm.worker_stub(worker_id)
         if stub is None:
-            known = ", ".join(sorted(self.mm.worker_ids)) or "none"
+            known = ", ".join(sorted(self.mm.membership.ids)) or "none"
             return await context.abort(grpc.StatusCode.NOT_FOUND,
                                        f"worker_id: no worker {worker_id!r} (known: {known})")
         if not await self.mm.connected(worker_id, self.CONNECT_TIMEOUT_S):
-            address = next(w.address for w in self.mm.cfg.workers if w.id == worker_id)
+            address = self.mm.membership.address(worker_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {worker_id}: no connection to {address} "
                                                              f"within {self.CONNECT_TIMEOUT_S:.0f}s")
         return stub

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from kunserve.services.common import load_service_config, load_service_credentials, service_arg_parser
@@ -23,7 +24,9 @@ def main(argv: list[str] | None = None) -> None:
 
     async def amain() -> None:
         ttft_slo_s = cfg.slo.ttft_ms / 1000.0  # queue time beyond the TTFT SLO counts as overload
-        servicer = MonitorServicer(stale_after_s=cfg.monitor.stale_after_s, max_head_wait_s=ttft_slo_s)
+        servicer = MonitorServicer(stale_after_s=cfg.monitor.stale_after_s, max_head_wait_s=ttft_slo_s,
+                                   seeds=[w.id for w in cfg.workers])
+        tasks: list[asyncio.Task] = []
         controller: OverloadController | None = None
         action = overload_handling(cfg.policy.overload).monitor_action
         if cfg.monitor.auto_drop and action is not None:
@@ -45,8 +48,11 @@ def main(argv: list[str] | None = None) -> None:
             metrics = await serve_metrics(registry, cfg.monitor.metrics_bind, "monitor.metrics_port")
             if controller is not None:
                 controller.start()
+            tasks.append(asyncio.create_task(servicer.follow_layout_forever(cfg.memory_manager.address)))
 
         async def stopping() -> None:
+            for t in tasks:
+                t.cancel()
             if controller is not None:
                 await controller.stop()
             if metrics is not None:

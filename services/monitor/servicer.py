@@ -1,14 +1,19 @@
 """Monitor: receives every worker's stats stream, serves the cluster status, and (with ``monitor.auto_drop``)
 runs the overload policy: drop on overload, restore on underload, through the memory manager (KunServe §4).
 Drops stack: overload that outlasts a drop asks for another, which merges groups (pairs into a quad); each
-restore of a group undoes one merge (a quad into pairs, a pair into whole instances)."""
+restore of a group undoes one merge (a quad into pairs, a pair into whole instances).
+
+Workers that join at run time are heard as soon as they stream their stats; a worker that leaves (drained, or
+dead past the memory manager's member timeout) is forgotten once the memory manager's layout no longer lists it
+(``follow_layout_forever``), so its last report never counts as capacity again (README "Discovery and
+autoscaling")."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -24,10 +29,40 @@ from kunserve.v1 import common_pb2, memory_manager_pb2, memory_manager_pb2_grpc,
 
 
 class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
-    def __init__(self, stale_after_s: float, max_head_wait_s: float = math.inf) -> None:
+    def __init__(self, stale_after_s: float, max_head_wait_s: float = math.inf,
+                 seeds: Collection[str] = ()) -> None:
         # max_head_wait_s: the TTFT SLO; a worker whose oldest waiting request waited longer is overloaded
         self.load = ClusterLoad(stale_after_s=stale_after_s, max_head_wait_s=max_head_wait_s)
         self.log = get_logger()
+        self.seeds = frozenset(seeds)  # the config's workers: members for good
+        self.departed: set[str] = set()  # joined workers the layout stopped listing: their reports are ignored
+        self._layout_error = ""
+
+    def apply_layout(self, layout: memory_manager_pb2.ClusterLayout) -> None:
+        """Forget the joined workers the memory manager's layout no longer lists (they left), and hear again those
+        it lists (a worker that rejoined)."""
+        listed = {w.worker_id for w in layout.workers}
+        self.departed -= listed
+        known = {w.report.worker_id for w in self.load.status(time.monotonic(), time.time()).workers}
+        for wid in sorted(known - listed - self.seeds):
+            self.load.forget(wid)
+            self.departed.add(wid)
+            self.log.info("worker_forgotten", worker=wid, members_version=layout.members_version,
+                          reason="the memory manager's layout no longer lists it")
+
+    async def follow_layout_forever(self, memory_manager: str, interval_s: float = 1.0) -> None:
+        async with channel(memory_manager) as ch:
+            stub = memory_manager_pb2_grpc.MemoryManagerStub(ch)
+            while True:
+                try:
+                    self.apply_layout(await stub.GetLayout(common_pb2.Empty(), timeout=2.0))
+                    self._layout_error = ""
+                except grpc.aio.AioRpcError as exc:
+                    error = f"{exc.code().name}: {exc.details()}"
+                    if error != self._layout_error:
+                        self.log.warning("layout_unavailable", memory_manager=memory_manager, error=error)
+                    self._layout_error = error
+                await asyncio.sleep(interval_s)
 
     async def ReportStats(self, request_iterator, context: grpc.aio.ServicerContext):
         worker_id = None
@@ -40,6 +75,8 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
             if worker_id is None:
                 worker_id = stats.worker_id
                 self.log.info("worker_stream_opened", worker=worker_id, address=stats.address)
+            if stats.worker_id in self.departed:
+                continue  # it left the cluster (a drained worker's last reports)
             self.load.observe(report_from_pb(stats), time.monotonic())
         self.log.info("worker_stream_closed", worker=worker_id)
         return common_pb2.Empty()

@@ -1,34 +1,93 @@
-"""`kunserve-worker --worker-id ID`: one worker process (one per GPU; on CPU one per process)."""
+"""`kunserve-worker --worker-id ID`: one worker process (one per GPU; on CPU one per process).
+
+A worker whose id is one of the config's ``[[workers]]`` is a seed; any other id joins the cluster at run time
+(README "Discovery and autoscaling"): its address and ports come from its flags, ``$KUNSERVE_WORKER_HOST``, or the
+first ``[[workers]]`` entry (on Kubernetes every pod of the StatefulSet shares one template), and it serves once the
+memory manager has accepted it. ``--standby`` loads the model and waits for the local scaler to activate it.
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import sys
 
+import structlog
+
 from kunserve.services.common import load_service_config, load_service_credentials, service_arg_parser
 from kunserve.services.worker.build import WorkerBuildError, build_worker
+from kunserve.services.worker.cluster_membership import ClusterMembership, MembershipRefused
 from kunserve.services.worker.metrics import IterationMetrics, worker_families
 from kunserve.services.worker.reporter import report_stats_forever
 from kunserve.services.worker.servicer import WorkerServicer
 from kunserve.shared import rpc
+from kunserve.shared.config import ClusterConfig, ConfigError, WorkerSection, load_config
 from kunserve.shared.credentials import internal_rules
 from kunserve.shared.faults import fault_armed
+from kunserve.shared.log import configure_logging
 from kunserve.shared.metrics import Lazy, MetricsServer, new_registry, serve_metrics
+from kunserve.shared.model.fingerprint import model_fingerprint
+from kunserve.shared.process import die_with_parent_if_asked
 from kunserve.shared.transfer.service import TransferService
 from kunserve.v1 import worker_pb2_grpc
 
 ENGINE_STUCK_S = 120.0
+HOST_ENV = "KUNSERVE_WORKER_HOST"  # the address other services reach a joining worker at (Kubernetes: its DNS name)
+
+
+def joining_section(cfg: ClusterConfig, worker_id: str, args: argparse.Namespace,
+                    environ: dict[str, str] | os._Environ[str] = os.environ) -> WorkerSection:
+    """The [[workers]] entry of a worker the config does not list: the first entry's ports and bind (one template),
+    its own id, and its host from --host, $KUNSERVE_WORKER_HOST or the first entry's."""
+    template = cfg.workers[0]
+    return WorkerSection(
+        id=worker_id, host=args.host or environ.get(HOST_ENV) or template.host,
+        port=args.port if args.port is not None else template.port, bind=args.bind or template.bind,
+        metrics_port=args.metrics_port if args.metrics_port is not None else template.metrics_port,
+        transfer_port=args.transfer_port if args.transfer_port is not None else template.transfer_port)
+
+
+def load_worker_config(args: argparse.Namespace) -> tuple[ClusterConfig, structlog.BoundLogger, bool]:
+    """(config, logger, seed): a configured worker's config as every service loads it; for any other id the config
+    with this worker's entry added (a joining or standby worker)."""
+    configured: list[str] = []
+    try:
+        configured = [w.id for w in load_config(args.config).workers]
+    except ConfigError:
+        pass  # load_service_config reports it
+    if not configured or args.worker_id in configured:
+        if args.standby:
+            print(f"worker {args.worker_id}: --standby needs an id the config does not list (a configured worker "
+                  "is a seed: it always serves)", file=sys.stderr)
+            raise SystemExit(2)
+        cfg, log = load_service_config(args, "worker", worker_id=args.worker_id)
+        return cfg, log, True
+    die_with_parent_if_asked()
+    cfg = load_config(args.config)
+    cfg.workers.append(joining_section(cfg, args.worker_id, args))
+    if args.log_format:
+        cfg.logging.format = args.log_format
+    log = configure_logging("worker", fmt=cfg.logging.format, level=cfg.logging.level, worker=args.worker_id)
+    return cfg, log, False
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = service_arg_parser("kunserve-worker", "A worker: holds a layer range of the model and runs the engine.")
     parser.add_argument("--worker-id", default=os.environ.get("KUNSERVE_WORKER_ID"),
-                        help="which [[workers]] entry of the config this process is (or $KUNSERVE_WORKER_ID)")
+                        help="which [[workers]] entry of the config this process is (or $KUNSERVE_WORKER_ID); an id "
+                             "the config does not list joins the cluster at run time")
+    parser.add_argument("--standby", action="store_true",
+                        help="load the model and wait: the local scaler activates this worker when the cluster needs "
+                             "another instance (an id the config does not list)")
+    parser.add_argument("--transfer-port", type=int, help="a joining worker's UCX port (default: the first "
+                        "[[workers]] entry's)")
+    parser.add_argument("--metrics-port", type=int, help="a joining worker's /metrics port (default: the first "
+                        "[[workers]] entry's; 0 = none)")
     args = parser.parse_args(argv)
     if not args.worker_id:
         parser.error("--worker-id is required (or set KUNSERVE_WORKER_ID)")
-    cfg, log = load_service_config(args, "worker", worker_id=args.worker_id)
+    cfg, log, seed = load_worker_config(args)
     creds = load_service_credentials(cfg, f"worker {args.worker_id}")
     try:
         engine_loop, instance, identity = build_worker(cfg, args.worker_id)
@@ -51,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
 
     async def amain() -> None:
         wsec = cfg.worker(args.worker_id)
-        # Links only from the configured workers, each proving it holds the cluster secret.
+        # Links only from members of the cluster (the config's workers, then the memory manager's member list),
+        # each proving it holds the cluster secret.
         svc = TransferService(args.worker_id, host=wsec.host, secret=creds.cluster_secret.encode(),
                               members=[w.id for w in cfg.workers])
         transfer: TransferService | None = svc
@@ -63,25 +123,64 @@ def main(argv: list[str] | None = None) -> None:
         servicer = WorkerServicer(identity, engine_loop, instance, transfer,
                                   cfg.memory_manager.transition_timeout_s)
         tasks: list[asyncio.Task] = []
+        reporting: list[asyncio.Task] = []  # the stats stream to the monitor: only while in service
         registry.register(Lazy(lambda: worker_families(servicer.current_stats())))
         metrics: MetricsServer | None = None
+
+        def start_reporting() -> None:
+            if not reporting:
+                reporting.append(asyncio.create_task(report_stats_forever(
+                    cfg.monitor.address, cfg.monitor.stats_interval_s, servicer.current_stats)))
+
+        def stop_reporting() -> None:
+            while reporting:
+                reporting.pop().cancel()
+
+        def set_members(members: frozenset[str]) -> None:
+            if transfer is not None:
+                transfer.members = members
+
+        src = instance.source
+        membership = ClusterMembership(
+            cfg.memory_manager.address, args.worker_id, wsec.address,
+            model_fingerprint(src.config, src.name, src.path, src.seed), [w.id for w in cfg.workers],
+            lambda: servicer.undropped_blocks, standby=args.standby, on_members=set_members,
+            on_active=start_reporting, on_inactive=stop_reporting)
+        servicer.cluster = membership
 
         def register(server) -> None:
             worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
 
         async def started() -> None:
             nonlocal metrics
-            index = [w.id for w in cfg.workers].index(args.worker_id)
-            metrics = await serve_metrics(registry, wsec.metrics_bind, f"workers[{index}].metrics_port")
+            where = (f"workers[{[w.id for w in cfg.workers].index(args.worker_id)}].metrics_port" if seed
+                     else "--metrics-port")
+            metrics = await serve_metrics(registry, wsec.metrics_bind, where)
             engine_loop.start()
             if servicer.transitions is not None and cfg.engine.warm_staging:
                 tasks.append(asyncio.create_task(servicer.transitions.keep_staging_warm()))
-            tasks.append(asyncio.create_task(report_stats_forever(
-                cfg.monitor.address, cfg.monitor.stats_interval_s, servicer.current_stats)))
+            if not seed:
+                # A joining worker serves once the memory manager accepted it (health says SERVING only then); a
+                # standby worker once it offered itself. Refused (another model): a one-line error, exit 2.
+                try:
+                    await membership.register_until_accepted()
+                except MembershipRefused as exc:
+                    log.error("membership_refused", code=exc.code.name, reason=str(exc))
+                    print(f"worker {args.worker_id}: refused by the memory manager: {exc}", file=sys.stderr)
+                    raise SystemExit(2) from None
+                log.info("standby" if args.standby else "joined", memory_manager=cfg.memory_manager.address,
+                         members_version=membership.version)
+            if membership.in_service:
+                start_reporting()
+            tasks.append(asyncio.create_task(membership.heartbeat_forever()))
 
         async def stopping() -> None:
             for t in tasks:
                 t.cancel()
+            stop_reporting()
+            if not seed:
+                await membership.deregister("shutdown")
+            await membership.close()
             if metrics is not None:
                 await metrics.stop()
             await servicer.shutdown()

@@ -25,8 +25,12 @@ from kunserve.shared.wire.cluster_state import busy_idle_fields, engine_stats_to
 from kunserve.shared.wire.requests import finish_to_pb, logprobs_to_pb, sampling_from_pb
 from kunserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
+from .cluster_membership import ClusterMembership, MembershipRefused
 from .handover import Moved
 from .relayout import TransitionRefused, TransitionRunner
+
+DRAIN_POLL_S = 0.05
+HANDOVER_WAIT_S = 5.0  # after a drain's timeout: how long the ended streams take to close
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if transfer is not None:
             self.transitions = TransitionRunner(identity.worker_id, engine_loop, instance, transfer, self.streams,
                                                 transition_timeout_s)
+        # Runtime membership (standby, draining); None: always in service (a worker run without a memory manager)
+        self.cluster: ClusterMembership | None = None
 
     # -- layout state ---------------------------------------------------------------------------------
     @property
@@ -63,8 +69,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self.transitions is not None and self.transitions.transitioning
 
     @property
+    def in_service(self) -> bool:
+        """Not a standby worker, not draining, not removed from the cluster."""
+        return self.cluster is None or self.cluster.in_service
+
+    @property
     def serving(self) -> bool:
-        return self.engine.running and self.engine.engine.serving and not self.transitioning
+        return self.engine.running and self.engine.engine.serving and not self.transitioning and self.in_service
 
     # -- requests ---------------------------------------------------------------------------------
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):
@@ -84,6 +95,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"worker {self.identity.worker_id} is changing its layout (drop / restore); "
                                 "retry shortly or on another worker")
+        if self.cluster is not None and not self.cluster.in_service:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.cluster.why_not_serving())
         if rid in self.streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running on this worker")
         engine_request = EngineRequest(
@@ -327,6 +340,58 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                                                             0.8 * remaining)
         failed = await self.transitions.peers.connect(peers, timeout_s)
         return worker_pb2.PeerLinks(linked=self.transitions.svc.peers, failed=failed)
+
+    # -- standby workers and draining (the autoscaler) -----------------------------------------------------------
+    async def Activate(self, request: worker_pb2.ActivateRequest, context: grpc.aio.ServicerContext):
+        if self.cluster is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.identity.worker_id} is not a member of a cluster (no memory manager)")
+        assert self.cluster is not None
+        try:
+            await self.cluster.activate()
+        except MembershipRefused as exc:
+            await context.abort(exc.code, str(exc))
+        return worker_pb2.ActivateReply(worker_id=self.identity.worker_id, address=self.identity.address)
+
+    async def Drain(self, request: worker_pb2.DrainRequest, context: grpc.aio.ServicerContext):
+        if self.cluster is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.identity.worker_id} is not a member of a cluster (no memory manager)")
+        assert self.cluster is not None
+        if request.timeout_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s: must be >= 0")
+        t = self.transitions
+        if t is not None and (t.role is not None or t.transitioning):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.identity.worker_id} is in pipeline group {t.unit_id}: only a whole "
+                                "instance drains (restore the group first)")
+        try:
+            self.cluster.start_draining()
+        except MembershipRefused as exc:
+            await context.abort(exc.code, str(exc))
+        t0 = time.monotonic()
+        finished, handed_over = await self._drain(request.timeout_s)
+        await self.cluster.drained(request.to_standby)
+        seconds = time.monotonic() - t0
+        self.log.info("drained", finished=finished, handed_over=handed_over, seconds=round(seconds, 3),
+                      to_standby=request.to_standby)
+        return worker_pb2.DrainReply(finished=finished, handed_over=handed_over, seconds=seconds)
+
+    async def _drain(self, timeout_s: float) -> tuple[int, int]:
+        """Wait (up to timeout_s) for the running requests to finish; end the rest with UNAVAILABLE and the
+        worker-end trailer, which the dispatcher answers by resuming each on another worker (re-prefill, same greedy
+        tokens). Returns (finished here, handed over)."""
+        started = set(self.streams.keys())
+        deadline = time.monotonic() + timeout_s
+        while len(self.streams) and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = set(self.streams.keys())
+        if left:
+            self.streams.shutdown_all(f"worker {self.identity.worker_id} is leaving the cluster; resume elsewhere")
+            closing = time.monotonic() + HANDOVER_WAIT_S
+            while len(self.streams) and time.monotonic() < closing:
+                await asyncio.sleep(DRAIN_POLL_S)
+        return len(started - left), len(left)
 
     async def shutdown(self) -> None:
         """End every in-flight stream with UNAVAILABLE, stop the engine thread (off the event loop: joining it

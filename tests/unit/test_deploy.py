@@ -340,6 +340,32 @@ def test_worker_list_is_the_statefulsets_stable_names(overlay):
         "each worker pod runs the [[workers]] entry named after it"
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_autoscaler_may_patch_the_worker_statefulsets_scale_and_nothing_else(overlay):
+    """README "Discovery and autoscaling": the memory manager runs the Kubernetes scaler under its own service
+    account, bound to a Role that reads and patches the scale of the StatefulSet autoscale.statefulset names."""
+    mm = next(w for c, w in workloads(overlay) if c == "memory-manager")
+    cfg = config_seen_by(overlay, mm)
+    assert cfg.autoscale.scaler == "kubernetes"
+    (sts,) = objects_of(overlay, "StatefulSet")
+    assert cfg.autoscale.statefulset == sts["metadata"]["name"]
+    pod = mm["spec"]["template"]["spec"]
+    account = pod["serviceAccountName"]
+    assert pod["automountServiceAccountToken"] is True
+    one(overlay, "ServiceAccount", account)
+    (binding,) = [b for b in objects_of(overlay, "RoleBinding")
+                  if {"kind": "ServiceAccount", "name": account} in b["subjects"]]
+    role = one(overlay, "Role", binding["roleRef"]["name"])
+    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["statefulsets/scale"],
+                              "resourceNames": [sts["metadata"]["name"]], "verbs": ["get", "patch"]}]
+    for component, workload in workloads(overlay):
+        if component != "memory-manager":
+            assert "serviceAccountName" not in workload["spec"]["template"]["spec"], f"{component}: no API access"
+    env = {e["name"]: e.get("value") for e in container_of(sts)["env"]}
+    assert env["KUNSERVE_WORKER_HOST"] == f"$(KUNSERVE_WORKER_ID).{sts['spec']['serviceName']}", \
+        "a worker beyond the [[workers]] entries joins under its pod's DNS name"
+
+
 def test_k8s_config_differs_from_configs_cluster_toml_only_in_addresses_credentials_and_paths():
     """Tuning keys (engine, monitor, SLO, ...) stay the ones `kunserve up` and compose run with."""
     k8s, local = load_config(K8S_CONFIG_FILE, environ={}), load_config(CONFIG_FILE, environ={})

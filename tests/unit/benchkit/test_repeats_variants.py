@@ -64,7 +64,8 @@ def test_every_variant_runs_for_real_or_is_refused_by_name():
             apply_variant(cfg, name)
             for o in variant.overrides:
                 assert getattr(getattr(cfg, o.section), o.key) == o.value
-        assert variant.policy == "kunserve" and name.startswith("kunserve-no-")
+        assert variant.policy == "kunserve" and (name.startswith("kunserve-no-") if not variant.adds else
+                                                 name.startswith("kunserve+"))
 
 
 def test_a_missing_switch_is_named():

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kunserve.cli.launcher import assign_free_ports, with_workers
 from kunserve.services.dispatcher.metrics import DispatcherMetrics, admission_families
-from kunserve.services.memory_manager.metrics import DropClock, TransitionMetrics, layout_families, outcome
+from kunserve.services.memory_manager.metrics import AutoscaleMetrics, DropClock, TransitionMetrics, layout_families, outcome
 from kunserve.services.memory_manager.orchestrator import OrchestrationError, Orchestrator
 from kunserve.services.monitor.metrics import monitor_families
 from kunserve.services.monitor.servicer import PolicyCounters
@@ -311,6 +311,7 @@ def every_service() -> dict[str, dict[str, tuple[str, frozenset[str]]]]:
     d.failed("UNAVAILABLE")
     mm = layout_registry({"w0": info("w0")})
     t = TransitionMetrics(mm)
+    AutoscaleMetrics(mm)  # every memory manager has them (zeros without a scaler)
     for op in ("drop", "restore", "migrate"):
         t.reported(report(op, completed=True, weight_bytes_from_peers=1))
     monitor = new_registry()
