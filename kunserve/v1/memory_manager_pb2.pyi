@@ -232,17 +232,19 @@ class AutoscaleState(_message.Message):
     def __init__(self, scaler: _Optional[str] = ..., needed: _Optional[bool] = ..., needed_for_s: _Optional[float] = ..., pending: _Optional[int] = ..., standby_available: _Optional[int] = ..., last_action: _Optional[str] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class ClusterLayout(_message.Message):
-    __slots__ = ("epoch", "num_layers_model", "workers", "members_version", "standby", "autoscale")
+    __slots__ = ("epoch", "num_layers_model", "workers", "members_version", "standby", "autoscale", "members_settled")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_VERSION_FIELD_NUMBER: _ClassVar[int]
     STANDBY_FIELD_NUMBER: _ClassVar[int]
     AUTOSCALE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_SETTLED_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     num_layers_model: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerLayout]
     members_version: int
     standby: _containers.RepeatedCompositeFieldContainer[StandbyWorker]
     autoscale: AutoscaleState
-    def __init__(self, epoch: _Optional[int] = ..., num_layers_model: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerLayout, _Mapping]]] = ..., members_version: _Optional[int] = ..., standby: _Optional[_Iterable[_Union[StandbyWorker, _Mapping]]] = ..., autoscale: _Optional[_Union[AutoscaleState, _Mapping]] = ...) -> None: ...
+    members_settled: bool
+    def __init__(self, epoch: _Optional[int] = ..., num_layers_model: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerLayout, _Mapping]]] = ..., members_version: _Optional[int] = ..., standby: _Optional[_Iterable[_Union[StandbyWorker, _Mapping]]] = ..., autoscale: _Optional[_Union[AutoscaleState, _Mapping]] = ..., members_settled: _Optional[bool] = ...) -> None: ...

@@ -15,7 +15,7 @@ request survives what happens to the worker serving it:
 
 The workers it routes to are the config's plus the ones that joined at run time: it follows the memory
 manager's layout (``GetLayout``), adding joined workers, routing no new request to a draining one, and
-dropping a worker that left (README "Discovery and autoscaling").
+dropping a worker that left once the layout is settled (README "Discovery and autoscaling").
 
 It also guards the cluster (see kunserve.shared.policy.admission): prompts are measured before they are tokenized
 or forwarded, requests beyond the in-flight and queued-prompt-token bounds get RESOURCE_EXHAUSTED with a
@@ -65,6 +65,9 @@ MAX_MOVES = 32  # layout moves of one request (each is an attach): a bound again
 ROUTE_RETRY_S = 0.05  # pause between polls while waiting for a routable worker
 POLL_TIMEOUT_S = 1.0
 LAYOUT_TIMEOUT_S = 2.0
+# A worker that left the layout gets no new request at once; calls still open to it may finish for this long before
+# its channel closes (a drained worker has none; a dead one's fail on their own).
+LEFT_WORKER_GRACE_S = 300.0
 CANCEL_RPC_TIMEOUT_S = 5.0
 SHUTTING_DOWN = "the dispatcher is shutting down"
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's retry convention: when to try again, in a trailer
@@ -166,7 +169,9 @@ class WorkerPool:
 
     The pool starts with the config's workers (the seeds) and follows the memory manager's layout
     (``apply_layout``): a worker that joined is added and polled, a draining one gets no new request, and a joined
-    worker that left is dropped (its calls still in flight end and resume elsewhere). Seeds stay."""
+    worker that left is dropped from routing (its calls still in flight may finish; see `remove`). A joined worker is
+    taken as gone only when the layout is settled (``members_settled``): a memory manager that just restarted lists
+    the joined workers again as they re-register, and one missing meanwhile is still serving. Seeds stay."""
 
     def __init__(self, cfg: ClusterConfig, stall_timeout_s: float | None = None) -> None:
         self.seeds = frozenset(w.id for w in cfg.workers)
@@ -180,6 +185,7 @@ class WorkerPool:
         self._poll_interval_s: float | None = None  # set once poll_forever runs
         self._mm_channel: grpc.aio.Channel | None = None
         self._layout_error = ""  # the last GetLayout failure (logged once per episode)
+        self._retiring: dict[grpc.aio.Channel, asyncio.Task] = {}  # channels of workers that left, closing
         for w in cfg.workers:
             self.add(w.id, w.address)
         self._kv_tokens_seen = 0  # the routable units' KV capacity when last there was one (see capacity)
@@ -207,8 +213,9 @@ class WorkerPool:
             self._start_polling(wid)
 
     def remove(self, wid: str) -> None:
-        """A joined worker left: no more routing or polling. Calls still open on its channel end with an error and
-        their requests resume elsewhere, as for a worker that died."""
+        """A joined worker left: no more routing or polling. Calls still open on its channel may finish for up to
+        LEFT_WORKER_GRACE_S before the channel closes (then they end with an error and their requests resume
+        elsewhere, as for a worker that died)."""
         poller = self._pollers.pop(wid, None)
         if poller is not None:
             poller.cancel()
@@ -218,19 +225,22 @@ class WorkerPool:
         self._healthy.pop(wid, None)
         ch = self.channels.pop(wid, None)
         if ch is not None:
-            asyncio.ensure_future(ch.close())
+            task = asyncio.ensure_future(ch.close(grace=LEFT_WORKER_GRACE_S))
+            self._retiring[ch] = task
+            task.add_done_callback(lambda _t, ch=ch: self._retiring.pop(ch, None))
 
     def apply_layout(self, layout: memory_manager_pb2.ClusterLayout) -> None:
         """Follow the memory manager's layout: add the workers that joined, drop the joined workers it no longer
-        lists, and keep the draining ones out of routing."""
+        lists (once the layout is settled), and keep the draining ones out of routing."""
         listed = {w.worker_id: w.address for w in layout.workers if w.address}
         for wid, address in sorted(listed.items()):
             if wid not in self.addresses or (wid not in self.seeds and self.addresses[wid] != address):
                 self.log.info("worker_discovered", worker=wid, address=address, members_version=layout.members_version)
                 self.add(wid, address)
-        for wid in [w for w in self.addresses if w not in listed and w not in self.seeds]:
-            self.log.info("worker_gone", worker=wid, members_version=layout.members_version)
-            self.remove(wid)
+        if layout.members_settled:
+            for wid in [w for w in self.addresses if w not in listed and w not in self.seeds]:
+                self.log.info("worker_gone", worker=wid, members_version=layout.members_version)
+                self.remove(wid)
         draining = frozenset(w.worker_id for w in layout.workers if w.draining)
         if draining != self.draining:
             self.log.info("workers_draining", workers=sorted(draining))
@@ -399,6 +409,12 @@ class WorkerPool:
                 poll.cancel()
         for ch in self.channels.values():
             await ch.close()
+        if self._retiring:  # the dispatcher's shutdown cancelled the calls they waited for: they close now
+            tasks = list(self._retiring.values())
+            _, pending = await asyncio.wait(tasks, timeout=CANCEL_RPC_TIMEOUT_S)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         if self._mm_channel is not None:
             await self._mm_channel.close()
 

@@ -10,9 +10,16 @@ workers that could go), asks the policy, and carries the decision out:
   logged and given up on; the cluster goes on with what it has.
 * scale down: the worker is marked draining (no new request, no transition includes it), then drained
   (``Worker.Drain``: its running requests finish, for up to ``autoscale.drain_timeout_s``, and the rest resume
-  elsewhere), it deregisters and goes back to standby, and the scaler takes the capacity back.
+  elsewhere), it deregisters and goes back to standby, and the scaler takes the capacity back. A drain that fails
+  with no answer from the worker (unreachable, the deadline, a cancelled call) leaves its outcome unknown: the
+  worker's GetInfo decides, now and at every later tick until it is known. A worker that still serves never got the
+  drain (or refused it) and loses its draining mark; one that does not serve is draining on its own (the worker
+  finishes a drain whatever becomes of the call) and leaves when it deregisters, or expires if it died.
+* give back: a standby worker a scale-down left over (the scaler refused to take it back) is given back again
+  while the cluster is calm.
 
-A scaler that is unreachable or refuses is logged with its reason and counted; nothing else changes.
+A scaler that is unreachable or refuses is logged with its reason and counted; nothing else changes. The layout's
+``last_error`` says what failed last until an action succeeds.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import grpc
 from kunserve.shared.config import AutoscaleSection
 from kunserve.shared.log import get_logger
 from kunserve.shared.policy.autoscale import (
+    GIVE_BACK,
     SCALE_DOWN,
     SCALE_UP,
     AutoscaleConfig,
@@ -44,6 +52,7 @@ if TYPE_CHECKING:
     from .servicer import MemoryManager
 
 DRAIN_RPC_MARGIN_S = 15.0  # beyond drain_timeout_s: the handed-over streams closing, the deregistration
+INFO_TIMEOUT_S = 2.0
 
 
 def policy_config(a: AutoscaleSection, max_workers: int | None = None) -> AutoscaleConfig:
@@ -77,6 +86,7 @@ class Autoscaler:
         self.last_error = ""
         self.available: int | None = None
         self._last_reason = ""
+        self.unsettled: set[str] = set()  # marked draining, the drain's outcome unknown (no answer from the worker)
         mm.observers.append(self)
         mm.orchestrator.observers.append(self)
 
@@ -135,6 +145,10 @@ class Autoscaler:
             if info is not None and info.serving and list(info.group_members) in ([], [wid]):
                 whole.append(wid)
         allowed = await self.scaler.removable(whole) if whole else []
+        try:
+            left_over = tuple(await self.scaler.left_over())
+        except ScalerError:
+            left_over = ()
         removable = tuple(
             Candidate(w, membership.members[w].kv_blocks or mm.infos[w].kv_blocks_total)
             for w in allowed
@@ -151,9 +165,11 @@ class Autoscaler:
             kv_total_blocks=total,
             overloaded=overloaded,
             removable=removable,
+            left_over=left_over,
         )
 
     async def tick(self) -> ScaleDecision:
+        await self._settle_drains()
         decision = self.policy.decide(await self.signals())
         if decision.expired:
             self.metrics.scale_ups.labels("timed_out").inc(decision.expired)
@@ -166,6 +182,8 @@ class Autoscaler:
             await self._scale_up(decision)
         elif decision.action == SCALE_DOWN:
             await self._scale_down(decision)
+        elif decision.action == GIVE_BACK:
+            await self._give_back(decision)
         elif decision.reason and decision.reason != self._last_reason:
             self.log.info("autoscale_waiting", reason=decision.reason)
         self._last_reason = decision.reason
@@ -184,6 +202,7 @@ class Autoscaler:
             return
         self.metrics.scale_ups.labels("requested").inc(d.count)
         self.last_action = f"scale_up {d.count} ({d.reason}): {', '.join(did)}"
+        self.last_error = ""
         self.log.info("autoscale_scale_up_requested", did=did)
 
     async def _scale_down(self, d: ScaleDecision) -> None:
@@ -213,17 +232,59 @@ class Autoscaler:
             did = await self.scaler.scale_down(wid)
         except (grpc.aio.AioRpcError, ScalerError) as exc:
             message = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else f"{exc.code}: {exc}"
-            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                mm.membership.undrain(wid)  # it refused to drain (it joined a group meanwhile): it stays
             self.metrics.scale_downs.labels("failed").inc()
             self.last_error = f"scale down {wid}: {message}"
             self.log.error("autoscale_scale_down_failed", worker=wid, error=message)
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                mm.membership.undrain(wid)  # it refused to drain (it joined a group meanwhile): it stays
+            elif isinstance(exc, grpc.aio.AioRpcError) and mm.membership.draining(wid):
+                self.unsettled.add(wid)  # no answer: whether it drains is the worker's to say
+                await self._settle_drains()
             return
         finally:
             mm.sync_layout()
         self.metrics.scale_downs.labels("completed").inc()
         self.last_action = f"scale_down {wid} ({d.reason}): {did}"
+        self.last_error = ""
         self.log.info("autoscale_scale_down_done", worker=wid, did=did)
+
+    async def _settle_drains(self) -> None:
+        """For each worker whose drain got no answer: still serving (it never drained) clears its draining mark;
+        not serving (draining on its own) or not answering keeps it, to be asked again at the next tick; no longer a
+        member (it deregistered, or expired) ends the question."""
+        mm = self.mm
+        for wid in sorted(self.unsettled):
+            if not mm.membership.draining(wid):
+                self.unsettled.discard(wid)  # it left (or the mark went otherwise)
+                continue
+            stub = mm.worker_stub(wid)
+            if stub is None:
+                self.unsettled.discard(wid)
+                continue
+            try:
+                info = await stub.GetInfo(common_pb2.Empty(), timeout=INFO_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                continue  # dead (it expires) or briefly unreachable: asked again
+            if info.worker_id == wid and info.serving and mm.membership.draining(wid):
+                mm.membership.undrain(wid)
+                self.unsettled.discard(wid)
+                self.log.warning("autoscale_drain_not_taken", worker=wid, reason="it still serves: the draining mark is cleared")
+                mm.sync_layout()
+
+    async def _give_back(self, d: ScaleDecision) -> None:
+        """A standby worker an earlier scale-down drained, whose capacity the scaler kept: ask it again."""
+        wid = d.worker_id
+        try:
+            did = await self.scaler.scale_down(wid)
+        except ScalerError as exc:
+            self.metrics.scale_downs.labels("failed").inc()
+            self.last_error = f"give back {wid}: {exc.code}: {exc}"
+            self.log.error("autoscale_give_back_failed", worker=wid, code=exc.code, error=str(exc))
+            return
+        self.metrics.scale_downs.labels("completed").inc()
+        self.last_action = f"give_back {wid} ({d.reason}): {did}"
+        self.last_error = ""
+        self.log.info("autoscale_give_back_done", worker=wid, did=did)
 
     async def run_forever(self, interval_s: float = 1.0) -> None:
         self.log.info("autoscaler_started", config=self.policy.config.__dict__)

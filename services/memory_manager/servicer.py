@@ -73,13 +73,18 @@ class MemoryManager:
     the transitions) are in `registry`."""
 
     def __init__(self, cfg: ClusterConfig, registry: CollectorRegistry | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
         self.clock = clock
+        self.started = clock()
         self.layout = LayoutState()
         self.log = get_logger()
+        # The membership version starts at this start's wall time in milliseconds: a successor started later begins
+        # above every version this one hands out (unless it changed more than once per millisecond), so a worker
+        # that still reports a predecessor's version never counts as having applied one of its lists.
         self.membership = Membership({w.id: w.address for w in cfg.workers},
-                                     member_timeout_s=cfg.memory_manager.member_timeout_s)
+                                     member_timeout_s=cfg.memory_manager.member_timeout_s,
+                                     version=int(wall_clock() * 1000))
         self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}  # worker id -> (address, channel)
         self._closing: set[asyncio.Task] = set()
         self.observers: list[MembershipObserver] = []
@@ -106,6 +111,16 @@ class MemoryManager:
     def infos(self) -> dict[str, worker_pb2.WorkerInfo]:
         """The latest GetInfo of each reachable member."""
         return self._infos
+
+    def member_ids(self) -> list[str]:
+        """Every member: seeds, then the joined workers (draining ones too)."""
+        return self.membership.ids
+
+    @property
+    def members_settled(self) -> bool:
+        """Up for member_timeout_s: every live joined worker has registered since this process started (they
+        register every member_timeout_s / 4), so the membership no longer misses one that is alive."""
+        return self.clock() - self.started >= self.membership.member_timeout_s
 
     def standby_ids(self) -> list[str]:
         """Standby workers that offered themselves, oldest offer first (the local scaler activates these)."""
@@ -208,6 +223,7 @@ class MemoryManager:
             w.joined = self.membership.joined(w.worker_id)
             w.draining = self.membership.draining(w.worker_id)
         out.members_version = self.membership.version
+        out.members_settled = self.members_settled
         out.standby.extend(memory_manager_pb2.StandbyWorker(worker_id=s.worker_id, address=s.address)
                            for _, s in sorted(self.membership.standby.items()))
         if self.autoscaler is not None:

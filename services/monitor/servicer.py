@@ -4,9 +4,10 @@ Drops stack: overload that outlasts a drop asks for another, which merges groups
 restore of a group undoes one merge (a quad into pairs, a pair into whole instances).
 
 Workers that join at run time are heard as soon as they stream their stats; a worker that leaves (drained, or
-dead past the memory manager's member timeout) is forgotten once the memory manager's layout no longer lists it
-(``follow_layout_forever``), so its last report never counts as capacity again (README "Discovery and
-autoscaling")."""
+dead past the memory manager's member timeout) is forgotten once the memory manager's settled layout no longer lists
+it (``follow_layout_forever``), so its last report never counts as capacity again (README "Discovery and
+autoscaling"). A memory manager that just restarted lists the joined workers again only as they re-register: until
+its layout is settled (``members_settled``) a joined worker it does not list is kept."""
 
 from __future__ import annotations
 
@@ -39,10 +40,12 @@ class MonitorServicer(monitor_pb2_grpc.MonitorServicer):
         self._layout_error = ""
 
     def apply_layout(self, layout: memory_manager_pb2.ClusterLayout) -> None:
-        """Forget the joined workers the memory manager's layout no longer lists (they left), and hear again those
-        it lists (a worker that rejoined)."""
+        """Forget the joined workers the memory manager's settled layout no longer lists (they left), and hear
+        again those it lists (a worker that rejoined)."""
         listed = {w.worker_id for w in layout.workers}
         self.departed -= listed
+        if not layout.members_settled:
+            return
         known = {w.report.worker_id for w in self.load.status(time.monotonic(), time.time()).workers}
         for wid in sorted(known - listed - self.seeds):
             self.load.forget(wid)

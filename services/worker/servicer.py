@@ -62,6 +62,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                                 transition_timeout_s)
         # Runtime membership (standby, draining); None: always in service (a worker run without a memory manager)
         self.cluster: ClusterMembership | None = None
+        self._draining: asyncio.Future | None = None  # the drain under way (it outlives a cancelled Drain call)
 
     # -- layout state ---------------------------------------------------------------------------------
     @property
@@ -369,13 +370,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.cluster.start_draining()
         except MembershipRefused as exc:
             await context.abort(exc.code, str(exc))
+        # Once begun, a drain finishes whatever becomes of this call (the memory manager died, its deadline
+        # passed): a worker left draining would never serve again, and could not be activated either.
+        drain = asyncio.ensure_future(self._drain_and_leave(self.cluster, request.timeout_s, request.to_standby))
+        self._draining = drain
+        finished, handed_over, seconds = await asyncio.shield(drain)
+        return worker_pb2.DrainReply(finished=finished, handed_over=handed_over, seconds=seconds)
+
+    async def _drain_and_leave(self, cluster: ClusterMembership, timeout_s: float,
+                               to_standby: bool) -> tuple[int, int, float]:
         t0 = time.monotonic()
-        finished, handed_over = await self._drain(request.timeout_s)
-        await self.cluster.drained(request.to_standby)
+        try:
+            finished, handed_over = await self._drain(timeout_s)
+        finally:
+            await cluster.drained(to_standby)
         seconds = time.monotonic() - t0
         self.log.info("drained", finished=finished, handed_over=handed_over, seconds=round(seconds, 3),
-                      to_standby=request.to_standby)
-        return worker_pb2.DrainReply(finished=finished, handed_over=handed_over, seconds=seconds)
+                      to_standby=to_standby)
+        return finished, handed_over, seconds
 
     async def _drain(self, timeout_s: float) -> tuple[int, int]:
         """Wait (up to timeout_s) for the running requests to finish; end the rest with UNAVAILABLE and the

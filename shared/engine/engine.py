@@ -155,13 +155,15 @@ class Engine:
         self.preemption_ttft_s = 0.0
         self.preempt_offline = threading.Event()
         self.in_flight: IterationInFlight | None = None
-        # The arrival check and the publication of a pass take this lock, so an arrival is either seen by the pass
-        # it must wait for or sees that pass. Arrivals announced while nothing is in flight whose add the engine
-        # has not taken yet (request id -> (when, prompt tokens)) are checked once the next pass is published: they
-        # arrived after its schedule and wait for all of it. Prompt tokens of the online arrivals during the pass in
-        # flight queue behind it, ahead of the next arrival.
+        # The arrival check and the publication (and end) of a pass take this lock, so an arrival is either seen by
+        # the pass it must wait for or sees that pass, and a flag raised for one pass never carries into the next.
+        # Arrivals announced while nothing is in flight whose add the engine has not taken yet (request id -> (when,
+        # prompt tokens)) are checked once the next pass is published: they arrived after its schedule and wait for
+        # all of it. Adds taken before their announcement (request id -> when taken) make that announcement a no-op.
+        # Prompt tokens of the online arrivals during the pass in flight queue behind it, ahead of the next arrival.
         self._arrivals = threading.Lock()
         self._unseen_arrivals: dict[str, tuple[float, int]] = {}
+        self._taken_unannounced: dict[str, float] = {}
         self._arrived_tokens = 0
         self._step_began = 0.0  # time.monotonic() when the latest step began (after the loop took its queue)
         self.layerwise_preemptions = 0
@@ -186,6 +188,10 @@ class Engine:
         return self.runner.is_first and (self.runner.is_last or self.link is not None)
 
     def add_request(self, request: EngineRequest) -> None:
+        if self.safepoint_every and not request.offline:
+            with self._arrivals:  # taken (or refused): whatever becomes of it, not a late arrival of a later pass
+                if self._unseen_arrivals.pop(request.request_id, None) is None:
+                    self._taken_unannounced[request.request_id] = time.monotonic()
         if not self.serving:
             raise NotServing(f"this worker holds layers [{self.runner.start}, {self.runner.end}) only and heads "
                              "no pipeline group; retry on a serving worker")
@@ -357,13 +363,13 @@ class Engine:
         if cut is None:
             return self._run_local(batch, torch.tensor(ids, dtype=torch.long)).cpu(), sampled, chunks
         safepoint, online, online_sampled = cut
-        self.preempt_offline.clear()
         self._publish_pass(IterationInFlight(time.monotonic(), self._predict(chunks), len(ids) - len(safepoint.keep),
                                              len(safepoint.keep), self._online_queued_tokens(chunks)))
         try:
             logits = self._run_local(batch, torch.tensor(ids, dtype=torch.long), safepoint).cpu()
         finally:
-            self.in_flight = None
+            with self._arrivals:
+                self.in_flight = None
         if safepoint.fired_before is None:
             return logits, sampled, chunks
         self.layerwise_preemptions += 1
@@ -388,6 +394,8 @@ class Engine:
         if not self.safepoint_every:
             return False
         with self._arrivals:
+            if request_id is not None and self._taken_unannounced.pop(request_id, None) is not None:
+                return False  # its add was taken before this announcement: it is scheduled (or already left)
             it = self.in_flight
             if it is None:
                 if request_id is not None:
@@ -395,35 +403,43 @@ class Engine:
                 return False
             return self._check_arrival(it, prompt_tokens)
 
-    def _check_arrival(self, it: IterationInFlight, prompt_tokens: int) -> bool:
-        """One arrival during pass `it` (under self._arrivals)."""
+    def _check_arrival(self, it: IterationInFlight, prompt_tokens: int, waited_s: float = 0.0) -> bool:
+        """One arrival during pass `it` (under self._arrivals); `waited_s`: how long it has waited already (one
+        announced before the pass began)."""
         self._arrived_tokens += max(1, prompt_tokens)
         prefill = self._predict_shape(BatchShape.of([(it.online_queued_tokens + self._arrived_tokens, 0)]))
-        if not should_preempt(time.monotonic(), it, prefill, self.preemption_ttft_s):
+        if not should_preempt(time.monotonic(), it, waited_s + prefill, self.preemption_ttft_s):
             return False
         self.preempt_offline.set()
         return True
 
     def _publish_pass(self, it: IterationInFlight) -> None:
-        """The pass `it` begins: arrivals from now on are checked against it, and so are those announced after the
-        schedule that built it (their add not taken yet)."""
+        """The pass `it` begins: the preemption flag is lowered (under the lock: an arrival checked against the
+        previous pass cannot raise it after this), arrivals from now on are checked against it, and so are those
+        announced after the schedule that built it (their add not taken yet), counting the time they waited."""
         with self._arrivals:
+            self.preempt_offline.clear()
             self.in_flight = it
             self._arrived_tokens = 0
-            late = [n for rid, (_, n) in self._unseen_arrivals.items() if rid not in self.seqs]
+            now = time.monotonic()
+            late = [(when, n) for rid, (when, n) in self._unseen_arrivals.items() if rid not in self.seqs]
             self._unseen_arrivals.clear()
-            for n in late:
-                self._check_arrival(it, n)
+            for when, n in late:
+                self._check_arrival(it, n, waited_s=max(0.0, now - when))
 
     def _forget_seen_arrivals(self) -> None:
         """A step begins: forget the arrivals announced between iterations whose add was taken before this schedule
         (the schedule sees them), and those announced before the previous step began (their add was taken since,
         whatever became of it), so nothing stays here longer than an iteration."""
         began, self._step_began = self._step_began, time.monotonic()
-        if self._unseen_arrivals:
+        if self._unseen_arrivals or self._taken_unannounced:
             with self._arrivals:
                 for rid in [r for r, (t, _) in self._unseen_arrivals.items() if r in self.seqs or t < began]:
                     del self._unseen_arrivals[rid]
+                # an announcement follows its submit at once: one not made by now never comes (a request added
+                # directly, not through the loop)
+                for rid in [r for r, t in self._taken_unannounced.items() if t < began]:
+                    del self._taken_unannounced[rid]
 
     def _online_queued_tokens(self, chunks: list[ScheduledChunk]) -> int:
         """Prompt tokens of online requests still to prefill after this batch: an online arrival queues behind them."""

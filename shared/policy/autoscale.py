@@ -12,6 +12,10 @@ on with what it has, and the need may ask again).
 A drop that held long enough asks once per episode: after an instance it asked for serves, the hold restarts, so a
 group that persists while the new instance takes load does not add one instance per cooldown.
 
+A scale-down drains the instance back to standby before the scaler takes its capacity back; when the scaler refused
+that (a Kubernetes API that said no), the standby instance is left over. While the cluster is calm it is given back
+again (``give_back``), at most once per ``max(cooldown_s, scale_down_hold_s)``.
+
 Pure: signals in (plain data, a clock reading), decisions out (tests/unit/policy/test_autoscale.py).
 """
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 
 SCALE_UP = "scale_up"
 SCALE_DOWN = "scale_down"
+GIVE_BACK = "give_back"  # a standby instance a scale-down left over: the scaler is asked again to take it back
 NOTHING = "nothing"
 
 
@@ -55,13 +60,14 @@ class ClusterSignals:
     kv_total_blocks: int = 0
     overloaded: bool = False  # some unit is overloaded now
     removable: tuple[Candidate, ...] = ()  # preferred first
+    left_over: tuple[str, ...] = ()  # standby instances a scale-down drained but the scaler kept, preferred first
 
 
 @dataclass(frozen=True)
 class ScaleDecision:
     action: str
     count: int = 0  # scale_up: instances to ask for
-    worker_id: str = ""  # scale_down: the instance to give back
+    worker_id: str = ""  # scale_down / give_back: the instance to give back
     reason: str = ""
     expired: int = 0  # instances asked for that did not serve within scale_up_timeout_s (given up on by this call)
 
@@ -80,6 +86,7 @@ class AutoscalePolicy:
     _calm_since: float | None = None
     _need_since: float | None = None
     _served_at: float = float("-inf")  # the last time an instance asked for started serving
+    _gave_back_at: float = float("-inf")  # the last scale-down or give-back (left-over standby instances wait)
 
     @property
     def pending(self) -> int:
@@ -130,6 +137,14 @@ class AutoscalePolicy:
             self._last_action = now
             return ScaleDecision(SCALE_UP, count=room, reason=why, expired=len(expired))
 
+        if calm and s.left_over and not self._pending and now - self._gave_back_at >= max(c.cooldown_s, c.scale_down_hold_s):
+            self._gave_back_at = now
+            return ScaleDecision(
+                GIVE_BACK,
+                worker_id=s.left_over[0],
+                expired=len(expired),
+                reason="calm: a standby instance an earlier scale-down left over",
+            )
         if not calm or not s.removable:
             return nothing("")
         assert self._calm_since is not None
@@ -145,7 +160,7 @@ class AutoscalePolicy:
         usage = s.kv_used_blocks / left
         if usage >= c.scale_down_usage:
             return nothing(f"calm, but the KV usage without {victim.worker_id} would be {usage:.0%}")
-        self._last_action = now
+        self._last_action = self._gave_back_at = now
         return ScaleDecision(
             SCALE_DOWN,
             worker_id=victim.worker_id,

@@ -9,7 +9,10 @@ register too, but as offers: they are not members until the local scaler activat
 
 Transfer links between workers are authenticated against the member list each worker holds, so a joined
 worker becomes *plannable* (a drop may merge it into a pipeline group) only once every live member has applied a
-membership version that includes it.
+membership version that includes it (a member that joined after it got the list with it in its join reply). The
+version starts at a base the memory manager picks per start (its start time in milliseconds), so versions keep
+growing across a memory-manager restart: a worker still reporting the version a predecessor gave it never counts
+as having applied a list the new one made.
 
 A deregistered process must not rejoin by a heartbeat that was already on its way: each worker process registers
 with an incarnation (a random id per start), and the incarnation that left is refused re-entry, while the same
@@ -145,13 +148,17 @@ class Membership:
     def plannable(self, worker_id: str, now: float) -> bool:
         """May a transition include this worker? Seeds always; a joined worker once every live member that
         registers (seeds included) has applied a membership version that lists it, so its transfer links will be
-        accepted; never a draining one."""
+        accepted; never a draining one. A member that joined after it is not waited for: its join reply listed it."""
         m = self.members.get(worker_id)
         if m is None or m.draining:
             return False
         if m.seed:
             return True
-        return all(self.members[w].acked_version >= m.joined_version for w in self.live(now) if self.members[w].heard > 0.0)
+        return all(
+            self.members[w].acked_version >= m.joined_version
+            for w in self.live(now)
+            if self.members[w].heard > 0.0 and (self.members[w].seed or self.members[w].joined_version < m.joined_version)
+        )
 
     # -- changing --------------------------------------------------------------------------------------------
     def register(self, reg: Registration, now: float) -> Accepted | Refused:
@@ -234,12 +241,17 @@ class Membership:
 
     def deregister(self, worker_id: str, incarnation: str = "") -> bool:
         """A worker leaves on purpose. Seeds stay members (they are configured); a joined worker is removed and
-        the incarnation that left may not rejoin; a standby worker leaves the pool. True when something changed."""
-        if worker_id in self.standby:
+        the incarnation that left may not rejoin; a standby worker leaves the pool. A deregistration naming another
+        incarnation than the one registered is stale (a process that restarted since) and changes nothing. True
+        when something changed."""
+        s = self.standby.get(worker_id)
+        if s is not None:
+            if incarnation and s.incarnation and incarnation != s.incarnation:
+                return False
             del self.standby[worker_id]
             return True
         m = self.members.get(worker_id)
-        if m is None or m.seed:
+        if m is None or m.seed or (incarnation and m.incarnation and incarnation != m.incarnation):
             return False
         self._gone[worker_id] = incarnation or m.incarnation
         self._remove_member(worker_id)

@@ -7,7 +7,9 @@ for autoscale.scale_down_hold_s) the memory manager drains it back to standby wh
 still running there resume elsewhere). Every request of every wave completes with all its tokens, and those that ran
 on the worker that joined and left match the reference's greedy tokens: none is lost to the join or the leave.
 
-Every wait is on a condition with a bound; nothing asserts on elapsed time.
+Every wait is on a condition with a bound; nothing asserts on elapsed time. The bounds add up: the cluster's start
+(START_S), the scenario (SCENARIO_S: the join, the routing, the burst's requests, the drain, each bounded inside it),
+the stop and the reference check fit the test's timeout.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ from kunserve import client
 from kunserve.cli.launcher import LocalCluster, standby_sections
 from kunserve.v1 import common_pb2
 
-pytestmark = pytest.mark.timeout(240)
+START_S = 150.0
+REQUEST_S = 180.0  # one request's bound (the burst's queue behind the pair and the standby's start)
+JOIN_S, ROUTE_S, DRAIN_S = 90.0, 60.0, 90.0
+# the burst runs beside the join and the routing; the drain comes after both; one GetLayout (10 s) may overrun a wait
+SCENARIO_S = max(JOIN_S + ROUTE_S, REQUEST_S) + DRAIN_S + 30.0
+STOP_S = 30.0  # LocalCluster.stop: a 10 s grace, then SIGKILL and a 10 s wait
+CHECK_S = 60.0  # the dense reference of the requests that ran on the standby (up to a second each on 2 busy cores)
+pytestmark = pytest.mark.timeout(START_S + SCENARIO_S + STOP_S + CHECK_S)
 STANDBY = "worker-2"
 
 
@@ -32,6 +41,7 @@ def _config():
     cfg.monitor.restore_hold_s = 1.0
     cfg.monitor.restore_cooldown_s = 1.0
     cfg.dispatcher.route_timeout_s = 60.0
+    cfg.dispatcher.queue_timeout_s = 150.0  # the burst queues behind the pair until the standby serves
     cfg.dispatcher.max_queued_prompt_tokens = 1_000_000  # the whole burst is admitted: it must queue on the workers
     a = cfg.autoscale
     a.scaler = "local"
@@ -46,7 +56,7 @@ def _config():
 def test_a_standby_worker_joins_on_autoscale_needed_serves_and_leaves_after_the_hold(tmp_path):
     cfg = _config()
     c = LocalCluster(cfg, run_dir=tmp_path, standby=standby_sections(cfg, 1, free_ports=True))
-    c.start(timeout_s=180)
+    c.start(timeout_s=START_S)
     burst = prompts_for(96, seed=11, lo=180, hi=220)  # ~1250 blocks of prompt KV: more than the pair holds
     burst_tokens = 48
     short_tokens = 24
@@ -62,7 +72,10 @@ def test_a_standby_worker_joins_on_autoscale_needed_serves_and_leaves_after_the_
                         served_by.setdefault(rid, set()).add(ev.worker_id)
 
                     r = await client.generate(
-                        ch, client.make_request(prompt, request_id=rid, max_tokens=max_tokens, ignore_eos=True), timeout=180, on_event=seen
+                        ch,
+                        client.make_request(prompt, request_id=rid, max_tokens=max_tokens, ignore_eos=True),
+                        timeout=REQUEST_S,
+                        on_event=seen,
                     )
                     results.append((prompt, max_tokens, r))
 
@@ -70,7 +83,7 @@ def test_a_standby_worker_joins_on_autoscale_needed_serves_and_leaves_after_the_
                 async with memory_manager(c) as mm:
                     loop = asyncio.get_running_loop()
 
-                    async def until(what: str, cond, timeout: float = 90.0):
+                    async def until(what: str, cond, timeout: float):
                         end = loop.time() + timeout
                         while True:
                             layout = await mm.GetLayout(common_pb2.Empty(), timeout=10)
@@ -82,16 +95,23 @@ def test_a_standby_worker_joins_on_autoscale_needed_serves_and_leaves_after_the_
                     def member(layout, wid):
                         return next((w for w in layout.workers if w.worker_id == wid), None)
 
+                    # last_action is set once the activation's reply is back: the layout may list the worker before
                     joined = await until(
-                        "the standby worker joined and serves", lambda lo: (w := member(lo, STANDBY)) is not None and w.joined and w.serving
+                        "the standby worker joined and serves, and the autoscaler recorded the scale-up",
+                        lambda lo: (
+                            (w := member(lo, STANDBY)) is not None
+                            and w.joined
+                            and w.serving
+                            and lo.autoscale.last_action.startswith("scale_up 1 (autoscale needed")
+                        ),
+                        JOIN_S,
                     )
-                    assert joined.autoscale.last_action.startswith("scale_up 1 (autoscale needed"), joined.autoscale
                     assert STANDBY not in {s.worker_id for s in joined.standby}
 
                     # the dispatcher routes to it: new requests until one of them ran there (the pair head is the
                     # freest unit while the burst has passed and the group is not restored yet)
                     n = 0
-                    end = loop.time() + 90
+                    end = loop.time() + ROUTE_S
                     while not any(STANDBY in w for w in served_by.values()):
                         assert loop.time() < end, f"no request reached {STANDBY}: {served_by}"
                         batch = [one(f"wave2-{n + k}", p, short_tokens) for k, p in enumerate(prompts_for(6, seed=100 + n))]
@@ -111,20 +131,24 @@ def test_a_standby_worker_joins_on_autoscale_needed_serves_and_leaves_after_the_
 
                     lanes = [asyncio.create_task(lane(i)) for i in range(3)]
                     try:
-                        left = await until(
-                            "the worker drained back to standby",
-                            lambda lo: member(lo, STANDBY) is None and STANDBY in {s.worker_id for s in lo.standby},
+                        left = await until(  # the drain's reply (last_action) comes after the worker left the layout
+                            "the worker drained back to standby, and the autoscaler recorded the scale-down",
+                            lambda lo: (
+                                member(lo, STANDBY) is None
+                                and STANDBY in {s.worker_id for s in lo.standby}
+                                and lo.autoscale.last_action.startswith(f"scale_down {STANDBY}")
+                            ),
+                            DRAIN_S,
                         )
                     finally:
                         stop.set()
                     await asyncio.gather(*lanes)
             return left, served_by, results
 
-        left, served_by, results = run(go(), timeout=230)
+        left, served_by, results = run(go(), timeout=SCENARIO_S)
     finally:
         c.stop()
-    assert left.autoscale.last_action.startswith(f"scale_down {STANDBY}"), left.autoscale
-    assert not left.autoscale.last_error, left.autoscale
+    assert not left.autoscale.last_error, left.autoscale  # cleared by the scale-down that succeeded
     assert [w.worker_id for w in left.workers] == ["worker-0", "worker-1"]
     assert any(STANDBY in w for w in served_by.values())
     assert len(results) >= len(burst) + 1

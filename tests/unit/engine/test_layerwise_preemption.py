@@ -202,3 +202,102 @@ def test_the_arrival_check_counts_the_online_prompts_queued_ahead_of_the_arrival
         arrival.armed = True
         eng.step()
         assert eng.layerwise_preemptions == cut and arrival.raised == cut, f"queued online prompt: {queued}"
+
+
+def test_an_arrival_checked_against_the_previous_pass_never_cuts_the_next_one():
+    """An arrival that took the lock during pass 1 may raise the flag only for pass 1: the engine lowers it as pass 2
+    is published, under the same lock, so pass 2 keeps its offline rows. The arrival is held inside its check (under
+    the lock) until the engine thread waits for the lock, the moment at which a flag lowered outside it would be
+    raised again too late."""
+    import threading
+
+    class WatchedLock:
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+            self.contended = threading.Event()
+
+        def __enter__(self) -> WatchedLock:
+            if not self.lock.acquire(blocking=False):
+                self.contended.set()
+                self.lock.acquire()
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.lock.release()
+
+    w = weights_for(CFG)
+    offline, _ = _requests(seed=13)
+    eng = Engine(CFG, w, num_kv_blocks=96, block_size=8, scheduler_config=SCHED)  # no latency model: any check cuts
+    eng.enable_layerwise_preemption(every=2, ttft_s=0.5)
+    lock = WatchedLock()
+    eng._arrivals = lock  # type: ignore[assignment]
+    inside, go = threading.Event(), threading.Event()
+    check = eng._check_arrival
+
+    def held_check(*args, **kw):
+        inside.set()
+        assert go.wait(30)
+        return check(*args, **kw)
+
+    eng._check_arrival = held_check  # type: ignore[method-assign]
+    arrival = threading.Thread(target=eng.online_arrived, args=(16,))
+    lin = eng.runner.layers[1].qkv
+    fired = []
+
+    def at_layer_1(x):
+        if not fired:  # pass 1: an arrival takes the lock and is checked against it
+            fired.append(True)
+            arrival.start()
+            assert inside.wait(30)
+        return lin(x)
+
+    eng.runner.layers[1].qkv = at_layer_1  # type: ignore[assignment]
+    for r in offline:
+        eng.add_request(clone(r))
+    steps = threading.Thread(target=lambda: (eng.step(), eng.step()))
+    steps.start()
+    assert lock.contended.wait(30), "the engine thread never waited for the arrival lock"
+    go.set()
+    steps.join(60)
+    arrival.join(30)
+    assert not steps.is_alive() and fired
+    assert eng.layerwise_preemptions == 0, "pass 2 lost its offline rows to an arrival checked against pass 1"
+
+
+def test_a_late_arrival_counts_the_time_it_has_waited():
+    """Announced before the pass began (its add not taken), it has waited since: a pass predicted short cuts for it
+    once that wait plus the prefill exceeds the TTFT SLO. Here it waited 1 s against an SLO of 0.5 s."""
+    w = weights_for(CFG)
+    offline, _ = _requests(seed=14)
+    fast = SLOTokenBudget(ConServeLatencyModel(1e-9, 0.0, 0.0, 0.0, 1e-6), tbt_s=1.0)
+    eng = Engine(CFG, w, num_kv_blocks=96, block_size=8, scheduler_config=SCHED, budget=fast)
+    eng.enable_layerwise_preemption(every=2, ttft_s=0.5)
+    for r in offline:
+        eng.add_request(clone(r))
+
+    def announced_a_second_ago(chunks) -> None:
+        eng.on_schedule = None
+        assert not eng.online_arrived(16, "on0")
+        when, n = eng._unseen_arrivals["on0"]
+        eng._unseen_arrivals["on0"] = (when - 1.0, n)
+
+    eng.on_schedule = announced_a_second_ago
+    eng.step()
+    assert eng.layerwise_preemptions == 1
+
+
+def test_a_request_that_left_before_the_pass_is_not_a_late_arrival():
+    """Announced between iterations, then taken and aborted before the next schedule: it waits for nothing, so the
+    next pass (with offline rows, under no latency model: any late arrival would cut it) is not cut."""
+    w = weights_for(CFG)
+    offline, online = _requests(seed=15)
+    eng = Engine(CFG, w, num_kv_blocks=96, block_size=8, scheduler_config=SCHED)
+    eng.enable_layerwise_preemption(every=2, ttft_s=0.5)
+    for r in offline:
+        eng.add_request(clone(r))
+    eng.step()
+    assert not eng.online_arrived(16, online[0].request_id)  # nothing in flight: its add not taken yet
+    eng.add_request(clone(online[0]))
+    assert eng.abort(online[0].request_id)
+    eng.step()
+    assert eng.layerwise_preemptions == 0

@@ -140,3 +140,33 @@ def test_the_need_counts_from_the_episode_the_drop_report_opened():
     d = p.decide(ClusterSignals(now=3.0, autoscale_needed=True, needed_since=1.5, members=2))
     assert d.action == SCALE_UP and p.need_since() == 1.5
     assert p.served(now=10.0) == 1.5
+
+
+def test_a_left_over_standby_instance_is_given_back_while_calm_and_not_too_often():
+    from kunserve.shared.policy.autoscale import GIVE_BACK
+
+    p = policy(cooldown_s=5.0, scale_down_hold_s=60.0)
+    d = p.decide(calm(0.0, removable=(), used=10))
+    assert d.action == NOTHING
+    left = dict(removable=(), left_over=("worker-2",))
+    d = p.decide(ClusterSignals(now=1.0, members=2, kv_used_blocks=10, kv_total_blocks=200, **left))
+    assert (d.action, d.worker_id) == (GIVE_BACK, "worker-2")
+    assert p.decide(ClusterSignals(now=30.0, members=2, kv_used_blocks=10, kv_total_blocks=200, **left)).action == NOTHING
+    # not while a need or a drop is on
+    assert p.decide(ClusterSignals(now=70.0, members=2, dropped_since=65.0, **left)).action == NOTHING
+    d = p.decide(ClusterSignals(now=71.0, members=2, kv_used_blocks=10, kv_total_blocks=200, **left))
+    assert d.action == GIVE_BACK
+
+
+def test_a_scale_down_spaces_the_give_back_of_what_it_leaves_over():
+    from kunserve.shared.policy.autoscale import GIVE_BACK
+
+    p = policy(cooldown_s=0.0, scale_down_hold_s=60.0)
+    p.decide(calm(0.0))
+    d = p.decide(calm(60.0))
+    assert d.action == SCALE_DOWN
+    # the scaler refused to take it back: it is standby now; the next calm tick does not hammer the scaler
+    d = p.decide(ClusterSignals(now=61.0, members=2, kv_used_blocks=10, kv_total_blocks=200, left_over=("worker-2",)))
+    assert d.action == NOTHING
+    d = p.decide(ClusterSignals(now=120.0, members=2, kv_used_blocks=10, kv_total_blocks=200, left_over=("worker-2",)))
+    assert (d.action, d.worker_id) == (GIVE_BACK, "worker-2")

@@ -170,3 +170,47 @@ def test_a_worker_drained_back_to_standby_is_offered_again_under_the_same_incarn
     m.deregister("worker-2")
     r = join(m, now=3.0, standby=True)
     assert isinstance(r, Accepted) and r.standby and not r.removed and "worker-2" in m.standby
+
+
+def test_a_new_joiner_does_not_make_earlier_joined_workers_unplannable():
+    """worker-3's join reply listed worker-2: its first heartbeat (version 0) does not hold worker-2 back."""
+    m = cluster()
+    m.register(Registration("worker-1", "h:2", MODEL, "b"), 1.0)
+    r = join(m, now=2.0)
+    assert isinstance(r, Accepted)
+    for wid, addr, inc in (("worker-0", "h:1", "a"), ("worker-1", "h:2", "b"), ("worker-2", "worker-2:9", "i2")):
+        m.register(Registration(wid, addr, MODEL, inc, members_version=r.version), 3.0)
+    assert m.plannable("worker-2", 3.0)
+    assert isinstance(join(m, "worker-3", now=4.0, incarnation="i3"), Accepted)  # members_version 0
+    assert m.plannable("worker-2", 4.0)
+    assert not m.plannable("worker-3", 4.0)  # the others have not applied the list with worker-3 yet
+
+
+def test_after_a_restart_the_version_base_keeps_old_acks_from_counting():
+    """A restarted memory manager starts at a higher base: a seed that last applied the predecessor's version does
+    not count as having applied the list with a worker that joins the new one."""
+    old = cluster()
+    old.version = 1_000
+    join(old)
+    seeds_applied = old.version  # what the seeds last got from the predecessor
+    new = Membership({"worker-0": "h:1", "worker-1": "h:2"}, version=2_000)
+    for wid, addr, inc in (("worker-0", "h:1", "a"), ("worker-1", "h:2", "b")):
+        new.register(Registration(wid, addr, MODEL, inc, members_version=seeds_applied), 1.0)
+    r = join(new, now=2.0)
+    assert isinstance(r, Accepted) and r.version > seeds_applied
+    assert not new.plannable("worker-2", 2.0)
+    for wid, addr, inc in (("worker-0", "h:1", "a"), ("worker-1", "h:2", "b"), ("worker-2", "worker-2:9", "i2")):
+        new.register(Registration(wid, addr, MODEL, inc, members_version=r.version), 3.0)
+    assert new.plannable("worker-2", 3.0)
+
+
+def test_a_stale_deregistration_of_another_incarnation_changes_nothing():
+    m = cluster()
+    join(m, incarnation="old")
+    join(m, now=3.0, incarnation="new")  # restarted under its name
+    assert not m.deregister("worker-2", "old")
+    assert "worker-2" in m.ids
+    assert m.deregister("worker-2", "new") and "worker-2" not in m.ids
+    join(m, "worker-3", now=4.0, incarnation="s1", standby=True)
+    assert not m.deregister("worker-3", "s0") and "worker-3" in m.standby
+    assert m.deregister("worker-3", "s1") and "worker-3" not in m.standby

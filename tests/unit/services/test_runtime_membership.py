@@ -21,7 +21,7 @@ from kunserve.services.memory_manager.servicer import MemoryManager, MemoryManag
 from kunserve.services.monitor.servicer import MonitorServicer
 from kunserve.services.worker.cluster_membership import ACTIVE, OUT, STANDBY, ClusterMembership, MembershipRefused
 from kunserve.shared.config import AutoscaleSection
-from kunserve.shared.policy.membership import Fingerprint
+from kunserve.shared.policy.membership import Fingerprint, Registration
 from kunserve.shared.wire.cluster_state import report_to_pb
 from kunserve.v1 import common_pb2, memory_manager_pb2, memory_manager_pb2_grpc
 
@@ -126,9 +126,11 @@ def test_a_joiner_waits_while_the_clusters_model_is_not_known():
     asyncio.run(scenario())
 
 
-def layout(*workers: tuple[str, str, bool], version: int = 2) -> memory_manager_pb2.ClusterLayout:
+def layout(*workers: tuple[str, str, bool], version: int = 2, settled: bool = True) -> memory_manager_pb2.ClusterLayout:
     return memory_manager_pb2.ClusterLayout(
-        members_version=version, workers=[memory_manager_pb2.WorkerLayout(worker_id=w, address=a, draining=d) for w, a, d in workers]
+        members_version=version,
+        members_settled=settled,
+        workers=[memory_manager_pb2.WorkerLayout(worker_id=w, address=a, draining=d) for w, a, d in workers],
     )
 
 
@@ -203,6 +205,9 @@ class FakeScaler:
     async def scale_down(self, worker_id: str) -> str:
         return "back"
 
+    async def left_over(self) -> list[str]:
+        return []
+
 
 def sample(registry: CollectorRegistry, name: str, **labels) -> float:
     value = registry.get_sample_value(name, labels)
@@ -242,3 +247,98 @@ def test_the_autoscaler_asks_on_autoscale_needed_measures_time_to_serving_and_re
             await mm.close()
 
     asyncio.run(scenario())
+
+
+def test_a_restarted_memory_manager_settles_after_the_member_timeout_and_versions_keep_growing():
+    """Its membership holds only the seeds until each joined worker's next heartbeat: the layout says it is not
+    settled until member_timeout_s passed. Its versions start above every version its predecessor handed out."""
+
+    async def scenario():
+        cfg = make_config(2)
+        now = [50.0]
+        first = MemoryManager(cfg, clock=lambda: now[0], wall_clock=lambda: 1_000.0)
+        first.register(Registration("worker-0", cfg.workers[0].address, MODEL, "a"))
+        for i in range(3):
+            first.register(Registration(f"worker-{2 + i}", f"127.0.0.1:{2000 + i}", MODEL, "x"))
+        handed_out = first.membership.version
+        await first.close()
+        now[0] = 100.0
+        second = MemoryManager(cfg, clock=lambda: now[0], wall_clock=lambda: 1_000.5)  # half a second later
+        try:
+            assert second.membership.version > handed_out
+            assert not second.layout_pb().members_settled
+            now[0] = 100.0 + cfg.memory_manager.member_timeout_s
+            assert second.layout_pb().members_settled
+        finally:
+            await second.close()
+
+    asyncio.run(scenario())
+
+
+def test_before_the_layout_settles_a_joined_worker_it_does_not_list_is_kept_and_its_calls_go_on():
+    """A memory manager that just restarted does not list worker-2 yet: the dispatcher keeps routing to it. Once
+    settled, a worker still missing is gone: no new request goes there, and a call still open to it is not cut (it
+    may finish)."""
+    from kunserve.v1 import worker_pb2, worker_pb2_grpc
+
+    class Streaming(worker_pb2_grpc.WorkerServicer):
+        def __init__(self) -> None:
+            self.go_on = asyncio.Event()
+
+        async def Generate(self, request, context):
+            yield worker_pb2.WorkerTokenEvent(request_id=request.request_id, token_id=1, index=0)
+            await self.go_on.wait()
+            yield worker_pb2.WorkerTokenEvent(
+                request_id=request.request_id, token_id=2, index=1, finish_reason=common_pb2.FINISH_REASON_LENGTH
+            )
+
+    async def scenario():
+        cfg = make_config(2)
+        server = grpc.aio.server()
+        fake = Streaming()
+        worker_pb2_grpc.add_WorkerServicer_to_server(fake, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        pool = WorkerPool(cfg)
+        try:
+            seeds = [(w.id, w.address, False) for w in cfg.workers]
+            pool.apply_layout(layout(*seeds, ("worker-2", address, False)))
+            call = pool.stubs["worker-2"].Generate(worker_pb2.WorkerGenerateRequest(request_id="r", prompt_token_ids=[1]))
+            got = [await call.read()]
+            pool.apply_layout(layout(*seeds, settled=False))  # restarted: worker-2 not re-registered yet
+            assert "worker-2" in pool.stubs
+            pool.apply_layout(layout(*seeds))  # settled, and still not listed: it left
+            assert "worker-2" not in pool.stubs and pool.router.choose() != "worker-2"
+            fake.go_on.set()
+            got.append(await asyncio.wait_for(call.read(), 10))
+            assert [e.token_id for e in got] == [1, 2], "the call open to the worker that left was cut"
+            assert await call.code() == grpc.StatusCode.OK
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())
+
+
+def test_before_the_layout_settles_the_monitor_keeps_the_capacity_of_a_joined_worker_it_does_not_list():
+    from kunserve.shared.policy.cluster import Member, WorkerReport
+
+    monitor = MonitorServicer(stale_after_s=3.0, seeds=["worker-0"])
+
+    async def stream(*reports):
+        for r in reports:
+            yield r
+
+    class Context:
+        async def abort(self, code, details):
+            raise AssertionError(details)
+
+    report = report_to_pb(
+        WorkerReport(Member("worker-2", 0, 4), unit_id="worker-2", unit_members=("worker-2",), kv_blocks_total=100, timestamp_unix_s=1.0)
+    )
+    asyncio.run(monitor.ReportStats(stream(report), Context()))
+    monitor.apply_layout(layout(("worker-0", "a:1", False), settled=False))
+    assert {w.stats.worker_id for w in asyncio.run(monitor.GetClusterStatus(common_pb2.Empty(), None)).workers} == {"worker-2"}
+    monitor.apply_layout(layout(("worker-0", "a:1", False)))
+    assert not asyncio.run(monitor.GetClusterStatus(common_pb2.Empty(), None)).workers

@@ -34,11 +34,16 @@ SCALE = "/apis/apps/v1/namespaces/kunserve/statefulsets/kunserve-worker/scale"
 
 
 class FakeApi:
-    """The scale subresource of one StatefulSet. `refuse`: (HTTP status, message) for the next PATCH."""
+    """The scale subresource of one StatefulSet, with its resourceVersion (a PATCH naming another one is answered
+    409, as the API server does). `refuse`: (HTTP status, message) for every PATCH; `refuse_get` for every GET;
+    `after_get`: run after answering a GET (someone else scaling meanwhile)."""
 
     def __init__(self, replicas: int = 2) -> None:
         self.replicas = replicas
+        self.version = 1
         self.refuse: tuple[int, str] | None = None
+        self.refuse_get: tuple[int, str] | None = None
+        self.after_get = lambda: None
         self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
         api = self
 
@@ -64,7 +69,12 @@ class FakeApi:
                 if self.path != SCALE:
                     self._answer(404, {"kind": "Status", "message": f"statefulsets {self.path} not found"})
                     return
-                self._answer(200, {"kind": "Scale", "spec": {"replicas": api.replicas}})
+                if api.refuse_get is not None:
+                    code, message = api.refuse_get
+                    self._answer(code, {"kind": "Status", "status": "Failure", "message": message})
+                    return
+                self._answer(200, api.scale())
+                api.after_get()
 
             def do_PATCH(self) -> None:
                 body = self._record()
@@ -72,11 +82,31 @@ class FakeApi:
                     code, message = api.refuse
                     self._answer(code, {"kind": "Status", "status": "Failure", "message": message})
                     return
-                api.replicas = json.loads(body)["spec"]["replicas"]
-                self._answer(200, {"kind": "Scale", "spec": {"replicas": api.replicas}})
+                patch = json.loads(body)
+                seen = patch.get("metadata", {}).get("resourceVersion")
+                if seen is not None and seen != str(api.version):
+                    self._answer(
+                        409,
+                        {
+                            "kind": "Status",
+                            "status": "Failure",
+                            "reason": "Conflict",
+                            "message": "the object has been modified; please apply your changes to the latest version",
+                        },
+                    )
+                    return
+                api.scale_to(patch["spec"]["replicas"])
+                self._answer(200, api.scale())
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
+
+    def scale(self) -> dict:
+        return {"kind": "Scale", "metadata": {"resourceVersion": str(self.version)}, "spec": {"replicas": self.replicas}}
+
+    def scale_to(self, n: int) -> None:
+        self.replicas = n
+        self.version += 1
 
     def start(self, tls: ssl.SSLContext | None = None) -> None:
         if tls is not None:
@@ -113,11 +143,17 @@ class FakeStub:
 
 
 class FakePool:
-    def __init__(self, stubs: dict[str, FakeStub]) -> None:
+    """Standby workers (their stubs) and members: by default the StatefulSet's first two pods (the seeds)."""
+
+    def __init__(self, stubs: dict[str, FakeStub], members: tuple[str, ...] = ("kunserve-worker-0", "kunserve-worker-1")) -> None:
         self.stubs = stubs
+        self.members = list(members)
 
     def standby_ids(self) -> list[str]:
         return list(self.stubs)
+
+    def member_ids(self) -> list[str]:
+        return list(self.members)
 
     def worker_stub(self, worker_id: str):
         return self.stubs.get(worker_id)
@@ -137,7 +173,7 @@ def test_scale_up_patches_replicas_with_a_merge_patch(api, tmp_path):
     assert (method, path) == ("PATCH", SCALE)
     assert headers["Content-Type"] == "application/merge-patch+json"
     assert headers["Authorization"] == "Bearer sa-token"
-    assert json.loads(body) == {"spec": {"replicas": 3}}
+    assert json.loads(body) == {"metadata": {"resourceVersion": "1"}, "spec": {"replicas": 3}}
 
 
 def test_a_refused_patch_is_an_error_naming_the_reason(api):
@@ -180,7 +216,8 @@ def test_max_replicas_caps_scale_up_and_what_is_available(api):
     with pytest.raises(ScalerError) as err:
         run(scaler.scale_up(1))
     assert err.value.code == "RESOURCE_EXHAUSTED"
-    assert run(KubernetesScaler(KubeApi(target(f"http://127.0.0.1:{api.port}")), FakePool({})).available()) is None
+    joined = FakePool({}, members=("kunserve-worker-0", "kunserve-worker-1", "kunserve-worker-2"))
+    assert run(KubernetesScaler(KubeApi(target(f"http://127.0.0.1:{api.port}")), joined).available()) is None
 
 
 def test_a_standby_pod_left_by_a_refused_scale_down_is_activated_before_a_new_pod(api):
@@ -202,6 +239,80 @@ def test_scale_down_gives_back_only_the_highest_ordinal(api):
         run(scaler.scale_down("other-3"))
     assert run(scaler.scale_down("kunserve-worker-3")) == "statefulset/kunserve-worker replicas 4 -> 3"
     assert api.replicas == 3
+
+
+def test_a_change_made_between_the_read_and_the_patch_is_not_overwritten(api):
+    """kubectl scale (or an HPA) sets 5 replicas after the scaler read 2: its patch to 3 names the version it read,
+    the API answers 409, and the 5 stay."""
+    scaler = KubernetesScaler(KubeApi(target(f"http://127.0.0.1:{api.port}")), FakePool({}))
+
+    def someone_scales() -> None:
+        api.after_get = lambda: None
+        api.scale_to(5)
+
+    api.after_get = someone_scales
+    with pytest.raises(ScalerError) as err:
+        run(scaler.scale_up(1))
+    assert err.value.code == "ABORTED" and "HTTP 409" in str(err.value) and "changed since it was read" in str(err.value)
+    assert api.replicas == 5
+    api.replicas = 3
+    api.after_get = someone_scales
+    with pytest.raises(ScalerError) as err:
+        run(scaler.scale_down("kunserve-worker-2"))
+    assert err.value.code == "ABORTED" and api.replicas == 5
+
+
+def test_throttling_and_server_errors_are_transient(api):
+    scaler = KubernetesScaler(KubeApi(target(f"http://127.0.0.1:{api.port}")), FakePool({}))
+    for status in (429, 500, 503):
+        api.refuse = (status, "try again later")
+        with pytest.raises(ScalerError) as err:
+            run(scaler.scale_up(1))
+        assert err.value.code == "UNAVAILABLE" and f"HTTP {status}" in str(err.value)
+    api.refuse = None
+    api.refuse_get = (503, "etcd leader changed")
+    with pytest.raises(ScalerError) as err:
+        run(scaler.scale_up(1))
+    assert err.value.code == "UNAVAILABLE"
+    assert api.replicas == 2
+
+
+def test_an_unreadable_token_is_a_scaler_error(api, tmp_path):
+    scaler = KubernetesScaler(KubeApi(target(f"http://127.0.0.1:{api.port}", tmp_path)), FakePool({}))  # no token file
+    with pytest.raises(ScalerError) as err:
+        run(scaler.scale_up(1))
+    assert err.value.code == "UNAVAILABLE" and str(tmp_path / "token") in str(err.value)
+    assert api.replicas == 2 and not api.requests
+
+
+def test_no_replica_is_added_while_one_asked_for_has_not_joined(api):
+    """Without max_replicas: a pod asked for that stays pending (no GPU free) is not followed by another at every
+    scale-up timeout; once it joins, the next one may be asked for."""
+    pool = FakePool({})
+    scaler = KubernetesScaler(KubeApi(target(f"http://127.0.0.1:{api.port}")), pool)
+    assert run(scaler.available()) is None
+    run(scaler.scale_up(1))
+    assert api.replicas == 3
+    assert run(scaler.available()) == 0
+    with pytest.raises(ScalerError) as err:
+        run(scaler.scale_up(1))
+    assert err.value.code == "UNAVAILABLE" and "kunserve-worker-2 has not joined" in str(err.value)
+    assert api.replicas == 3
+    pool.members.append("kunserve-worker-2")
+    assert run(scaler.available()) is None
+    run(scaler.scale_up(1))
+    assert api.replicas == 4
+
+
+def test_a_standby_pod_left_by_a_refused_give_back_is_listed_for_another_try(api):
+    api.replicas = 3
+    pool = FakePool({"kunserve-worker-2": FakeStub()})
+    scaler = KubernetesScaler(KubeApi(target(f"http://127.0.0.1:{api.port}")), pool)
+    assert run(scaler.left_over()) == ["kunserve-worker-2"]
+    assert run(scaler.scale_down("kunserve-worker-2")) == "statefulset/kunserve-worker replicas 3 -> 2"
+    api.replicas = 4  # a newer pod runs above it: it cannot go first
+    assert run(scaler.left_over()) == []
+    assert run(LocalScaler(pool).left_over()) == []
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl")
