@@ -7,12 +7,13 @@ meta)`: write the new tokens' K/V into their slots, then attend.
 `TorchPagedAttention` is the CPU path and a fallback on any device:
 
 - new K/V go into their slots with one vectorized index_put per K and V;
-- all decoding sequences (one query token each) are handled in one batched, masked, grouped-query
-  matmul. Their blocks are gathered with ONE `index_select` over a *permuted view* of the cache
+- decoding sequences (one query token each) on a CPU in float32 go through the compiled kernel of
+  cpu_kernels.py, which reads each sequence's K/V where they lie in the paged cache (no gathered copy)
+  and keeps the softmax in float32;
+- elsewhere all decoding sequences are handled in one batched, masked, grouped-query matmul. Their
+  blocks are gathered with ONE `index_select` over a *permuted view* of the cache
   (`[2, kv_heads, blocks, block_size, dim]`), whose output is already `[2, kv_heads, B, L, dim]`:
-  no second reshape copy, and no repeat_interleave of K/V for GQA (queries are grouped instead).
-  On this CPU that halves the gather cost versus gathering blocks and then transposing (MEASURED.md:
-  the gather is 20-40% of a decode step);
+  no second reshape copy, and no repeat_interleave of K/V for GQA (queries are grouped instead);
 - prefill chunks run per sequence through SDPA; a chunk without a cached prefix attends to its own
   K/V directly (is_causal, no gather), a chunk with a prefix gathers its blocks and uses a causal
   mask offset by the prefix length.
@@ -29,6 +30,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from kunserve.shared.engine import cpu_kernels
 
 
 @dataclass
@@ -104,10 +107,11 @@ def build_metadata(slot_blocks: Sequence[int], slot_offsets: Sequence[int],
 class Attention(Protocol):
     """A paged-attention backend. q [T, H, d], k/v [T, KVH, d] are the new tokens of one step
     (rows as described by meta); cache is one layer's `[num_blocks, 2, KVH, block_size, d]` tensor.
+    `kv_written`: the caller has already stored k / v in their slots (the CPU's fused RoPE + store kernel).
     Returns the attention output [T, H, d]."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor: ...
+                meta: AttentionMetadata, kv_written: bool = False) -> torch.Tensor: ...
 
 
 class TorchPagedAttention:
@@ -122,6 +126,11 @@ class TorchPagedAttention:
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
 
+    @property
+    def needs_kv_write(self) -> bool:
+        """Whether forward must store K/V itself (a backend whose kernels want another layout would say so)."""
+        return False
+
     @staticmethod
     def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """Store the new tokens' K/V at (block, offset): cache[b, 0, :, o, :] = k[t] for every token t.
@@ -130,8 +139,9 @@ class TorchPagedAttention:
         cache[meta.slot_blocks, 1, :, meta.slot_offsets, :] = v
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        self.write_kv(cache, k, v, meta)
+                meta: AttentionMetadata, kv_written: bool = False) -> torch.Tensor:
+        if not kv_written:
+            self.write_kv(cache, k, v, meta)
         if not meta.prefills and meta.decode_rows_contiguous:
             return self._decode(q, cache, meta)  # pure decode step: no scatter of rows
         out = torch.empty_like(q)
@@ -158,6 +168,10 @@ class TorchPagedAttention:
     def _decode(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         B = q.shape[0]
         assert meta.decode_block_tables is not None and meta.decode_mask is not None, "a step without decodes"
+        assert meta.decode_context_lens is not None
+        if cpu_kernels.decode_attention_supported(q, cache):
+            return cpu_kernels.decode_attention(q, cache, meta.decode_block_tables, meta.decode_context_lens,
+                                                self.scale)
         kv = self.gather(cache, meta.decode_block_tables)  # [2, KVH, B, L, d]
         keys, values = kv[0], kv[1]
         # queries grouped per KV head: [KVH, B, G, d]; GQA without copying K/V per query head

@@ -2,7 +2,13 @@
 
 The first stage embeds token ids; a later stage takes hidden states; the last stage applies the
 final norm and lm_head to only the rows that need sampling. q/k/v and gate/up are fused into single
-matmuls at load time (fewer, larger ops matter on a 2-core CPU).
+matmuls (fewer, larger ops matter on a 2-core CPU).
+
+Linear layers on a CPU in float32 run the panel GEMM of cpu_kernels.py over weights stored as column
+panels: the memory pool stores them that way (pool_placement.py) and the runner computes on views of
+its pages; weights handed over in nn.Linear's [out, in] form are re-laid out once at load
+(`pack_weights`, the default on CPU float32), the panels then being the runner's only copy. Other
+devices and dtypes use torch's linear (oneDNN for float32 [out, in] weights on a CPU).
 """
 
 from __future__ import annotations
@@ -12,18 +18,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kunserve.shared.engine.attention import Attention, AttentionMetadata, make_attention
+from kunserve.shared.engine import cpu_kernels
+from kunserve.shared.engine.attention import Attention, AttentionMetadata, TorchPagedAttention, make_attention
 from kunserve.shared.engine.kv_storage import KVStorage
 from kunserve.shared.engine.safepoint import Safepoint
 from kunserve.shared.model import rope
 from kunserve.shared.model.architecture import ModelConfig
+from kunserve.shared.model.pool_placement import GATE_UP, PANELS, QKV
 from kunserve.shared.model.weights import Weights
-
-# oneDNN with pre-packed weights beats MKL's sgemm for small row counts on CPU: sgemm re-packs the
-# weight matrix on every call, which dominates a decode step (weights do not fit in cache). Measured
-# on the 2-core VM, float32, the tiny model's matrices: rows 2..128 -20..-45% time; 1 row (GEMV) and
-# >= 192 rows (prefill) are faster unpacked. So both forms are kept (CPU float32 only).
-PACKED_ROWS = (2, 128)
 
 
 def _onednn_available() -> bool:
@@ -31,23 +33,24 @@ def _onednn_available() -> bool:
 
 
 class _Linear:
-    """y = x W^T + b, through a oneDNN pre-packed weight when that is faster for this many rows."""
+    """y = x W^T + b over W as column panels (the CPU kernel), or as [out, in] (torch: oneDNN on a CPU in
+    float32, whose unpacked path beats MKL's sgemm on AMD CPUs)."""
 
-    __slots__ = ("w", "b", "packed")
+    __slots__ = ("w", "b", "n", "panels", "onednn")
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, pack: bool) -> None:
-        self.w = w.contiguous()
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, n: int) -> None:
+        self.panels = w.dim() == 3
+        self.w = w if self.panels else w.contiguous()
         self.b = b
-        self.packed = None
-        if pack:
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w, 16)
-            except RuntimeError:  # CPU without the needed ISA: plain sgemm
-                self.packed = None
+        self.n = n
+        self.onednn = (not self.panels and w.device.type == "cpu" and w.dtype == torch.float32
+                       and _onednn_available())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and PACKED_ROWS[0] <= x.shape[0] <= PACKED_ROWS[1]:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
+        if self.panels:
+            return cpu_kernels.linear(x, self.w, self.n, self.b)
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
         return F.linear(x, self.w, self.b)
 
 
@@ -82,48 +85,62 @@ class ModelRunner:
         self.dtype = cfg.torch_dtype
         self.is_first = self.start == 0
         self.is_last = self.end == cfg.num_layers
-        if pack_weights is None:  # default: CPU float32 with oneDNN (doubles the weights' memory)
-            pack_weights = self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_available()
+        if pack_weights is None:  # default: the CPU kernel's panels on a CPU in float32
+            pack_weights = self.device.type == "cpu" and self.dtype == torch.float32
         self.pack_weights = pack_weights
         self.attention = attention or make_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.device)
+        # CPU float32: RoPE + KV store, residual add + RMSNorm and SiLU * up as single passes (cpu_kernels.py)
+        self.fused = (isinstance(self.attention, TorchPagedAttention) and not self.attention.needs_kv_write
+                      and cpu_kernels.fused_layer_ops_supported(self.dtype, self.device, cfg.head_dim))
         self.load(weights)
         self._rope_cache(cfg.max_position_embeddings)
 
     def load(self, weights: Weights) -> None:
-        """(Re)bind weights; called again after a restore hands back new tensors."""
-        dev, dt = self.device, self.dtype
-        pack = self.pack_weights
+        """(Re)bind weights; called again after a restore hands back new tensors. Weights already stored as
+        panels (the pool's CPU layout) are used as they are; [out, in] ones are re-laid out as panels when
+        `pack_weights` (a copy the runner then owns), else used as they are."""
+        dev, dt, cfg = self.device, self.dtype, self.cfg
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=dev, dtype=dt)
 
+        def linear(name: str, n: int, parts: tuple[str, ...] = (), bias: torch.Tensor | None = None) -> _Linear:
+            """`name`'s weight ([n, in], or panels), else the concatenation of `parts` (HF's unfused names)."""
+            if name + PANELS in weights:
+                return _Linear(w(name + PANELS), bias, n)
+            mat = w(name) if name in weights else torch.cat([w(part) for part in parts], 0)
+            if self.pack_weights:
+                mat = cpu_kernels.to_panels(mat)
+            return _Linear(mat, bias, n)
+
+        h, hd = cfg.hidden_size, cfg.head_dim
+        qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
         self.layers: dict[int, _Layer] = {}
         for i in range(self.start, self.end):
             p = f"model.layers.{i}."
-            if p + "self_attn.qkv_proj.weight" in weights:
-                # Already fused (the memory pool stores weights the way they are consumed): views, no copy.
-                qkv_w = w(p + "self_attn.qkv_proj.weight")
-                qkv_b = w(p + "self_attn.qkv_proj.bias") if self.cfg.qkv_bias else None
-                gate_up_w = w(p + "mlp.gate_up_proj.weight")
-            else:
-                qkv_b = (torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
-                                    w(p + "self_attn.v_proj.bias")]) if self.cfg.qkv_bias else None)
-                qkv_w = torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                                   w(p + "self_attn.v_proj.weight")], 0)
-                gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0)
+            qkv_b = None
+            if cfg.qkv_bias:
+                qkv_b = (w(p + QKV + ".bias") if p + QKV + ".bias" in weights else
+                         torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
+                                    w(p + "self_attn.v_proj.bias")]))
             self.layers[i] = _Layer(
-                qkv=_Linear(qkv_w, qkv_b, pack),
-                o=_Linear(w(p + "self_attn.o_proj.weight"), w(p + "self_attn.o_proj.bias") if self.cfg.o_bias else None,
-                          pack),
-                gate_up=_Linear(gate_up_w, None, pack), down=_Linear(w(p + "mlp.down_proj.weight"), None, pack),
+                qkv=linear(p + QKV + ".weight", qkv_rows, tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv"),
+                           qkv_b),
+                o=linear(p + "self_attn.o_proj.weight", h,
+                         bias=w(p + "self_attn.o_proj.bias") if cfg.o_bias else None),
+                gate_up=linear(p + GATE_UP + ".weight", 2 * cfg.intermediate_size,
+                               (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+                down=linear(p + "mlp.down_proj.weight", h),
                 ln1=w(p + "input_layernorm.weight"), ln2=w(p + "post_attention_layernorm.weight"))
         self.embed: torch.Tensor | None = w("model.embed_tokens.weight") if self.is_first else None
         self.norm: torch.Tensor | None = None
         self.lm_head: _Linear | None = None
         if self.is_last:
             self.norm = w("model.norm.weight")
-            head = w("model.embed_tokens.weight") if self.cfg.tie_word_embeddings else w("lm_head.weight")
-            self.lm_head = _Linear(head, None, pack)
+            if cfg.tie_word_embeddings:  # the embedding matrix itself: its rows are looked up too
+                self.lm_head = _Linear(w("model.embed_tokens.weight"), None, cfg.vocab_size)
+            else:
+                self.lm_head = linear("lm_head.weight", cfg.vocab_size)
 
     def release(self) -> None:
         """Drop every reference to the weights, so the memory pool may unmap their pages (a view
@@ -135,8 +152,8 @@ class ModelRunner:
         """cos/sin for every position the context can hold, as transformers computes them (shared/model/rope.py)."""
         cos, sin = rope.cos_sin(self.cfg.rope, self.cfg.head_dim, self.cfg.max_position_embeddings,
                                 torch.arange(max_pos))
-        self.cos = cos.to(self.device, self.dtype)
-        self.sin = sin.to(self.device, self.dtype)
+        self.cos = cos.to(self.device, self.dtype).contiguous()
+        self.sin = sin.to(self.device, self.dtype).contiguous()
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -161,9 +178,13 @@ class ModelRunner:
             assert self.embed is not None, "weights released"
             x = F.embedding(inputs, self.embed)
         else:
-            x = inputs.to(self.dtype)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+            x = inputs.to(self.dtype, copy=self.fused)  # the fused path adds into x in place
+        if self.fused:
+            positions = positions.contiguous()
+            cos = sin = positions  # the fused kernel indexes the tables itself
+        else:
+            cos = self.cos[positions].unsqueeze(1)
+            sin = self.sin[positions].unsqueeze(1)
         nh, nkvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         nq, nkv = nh * hd, nkvh * hd
         for i in range(self.start, self.end):
@@ -174,11 +195,26 @@ class ModelRunner:
                 if T == 0:
                     return x.new_empty((0, cfg.vocab_size if self.is_last else x.shape[-1]),
                                        dtype=torch.float32 if self.is_last else x.dtype)
-                cos = self.cos[positions].unsqueeze(1)
-                sin = self.sin[positions].unsqueeze(1)
+                if self.fused:
+                    positions = positions.contiguous()
+                else:
+                    cos = self.cos[positions].unsqueeze(1)
+                    sin = self.sin[positions].unsqueeze(1)
             L = self.layers[i]
             h = self._rms(x, L.ln1)
             qkv = L.qkv(h)
+            if self.fused:
+                # RoPE in place on the q and k heads, k and v into their cache slots, in one pass (cpu_kernels)
+                cache = kv.layer_cache(i)
+                cpu_kernels.rope_store(qkv, nh, nkvh, hd, self.cos, self.sin, positions, cache, meta.slot_blocks,
+                                       meta.slot_offsets)
+                q = qkv[:, :nq].view(T, nh, hd)
+                k = qkv[:, nq:nq + nkv].view(T, nkvh, hd)
+                v = qkv[:, nq + nkv:].view(T, nkvh, hd)
+                o = self.attention.forward(q, k, v, cache, meta, kv_written=True)
+                h = cpu_kernels.add_rms_norm(x, L.o(o.reshape(T, nq)), L.ln2, cfg.rms_norm_eps)  # x += o
+                x += L.down(cpu_kernels.silu_mul(L.gate_up(h)))
+                continue
             # rotate q and k heads in one go: [T, H + KVH, d]
             qk = self._rotate(qkv[:, : nq + nkv].view(T, nh + nkvh, hd), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]

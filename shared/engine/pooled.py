@@ -1,8 +1,8 @@
 """One worker's model instance living in the unified memory pool, with layer drop and restore.
 
 Weights and KV cache share the pool's physical pages (KunServe §4.1): the engine computes on views
-of the pages (weights stored fused, no copies, no oneDNN pre-packing), and the KV cache is the pool
-layout itself. Dropping layers remaps their pages into the KV tails of the remaining layers;
+of the pages (weights stored fused and, on a CPU in float32, as the GEMM kernel's column panels; no
+copies), and the KV cache is the pool layout itself. Dropping layers remaps their pages into the KV tails of the remaining layers;
 restoring takes them back (compacting live KV blocks first when they sit in the tail) and refills
 the weights: in a cluster transition from the peer that holds them (services/worker/weight_exchange.py
 receives straight into the restored arenas), otherwise, or when no peer can send them, from the DRAM

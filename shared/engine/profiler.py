@@ -203,8 +203,7 @@ def profile_layers(cfg: ModelConfig, weights: Weights, *, model: str, layers: tu
     """Measure one layer range over the grid and fit both models: what `kunserve profile` and a worker that
     profiles itself at start-up both run. Weights are not oneDNN-packed, as in the worker's memory pool."""
     grid = profile_grid(min(cfg.max_position_embeddings, max_len), quick=quick)
-    timer = BatchTimer(cfg, weights, layers, device, block_size=block_size, max_blocks=grid_blocks(grid, block_size),
-                       pack_weights=False)
+    timer = BatchTimer(cfg, weights, layers, device, block_size=block_size, max_blocks=grid_blocks(grid, block_size))
     samples = measure_grid(timer, grid, repeats or (3 if quick else 7), progress)
     del timer
     return fit_profile(samples, model=model, dtype=cfg.dtype, layers=layers, device_sig=device_sig,

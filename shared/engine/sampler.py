@@ -54,12 +54,16 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
                 banned: dict[int, list[int]] | None = None) -> list[int | None]:
     """logits [B, vocab] -> one token id per row, or None for a row whose logits are not finite. `banned`: row ->
     token ids that row may not produce now (a request short of its min_tokens cannot end yet)."""
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    # one pass for the arg-max and the row maxima, one for the minima: a row is finite when both are (NaN
+    # propagates through both); cheaper than materializing isfinite over the whole [B, vocab]
+    best, top = logits.max(dim=-1)
+    finite = (torch.isfinite(best) & torch.isfinite(logits.amin(dim=-1))).tolist()
     if banned:
         logits = logits.clone()
         for i, ids in banned.items():
             logits[i, ids] = float("-inf")
-    out: list[int | None] = logits.argmax(dim=-1).tolist()
+        top = logits.argmax(dim=-1)
+    out: list[int | None] = top.tolist()
     for i, p in enumerate(params):
         if not finite[i]:
             out[i] = None

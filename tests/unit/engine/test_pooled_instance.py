@@ -9,6 +9,7 @@ import torch
 from oracle import compare_greedy
 
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
+from kunserve.shared.engine.cpu_kernels import from_panels
 from kunserve.shared.engine.pooled import InstanceBusy, PooledInstance
 from kunserve.shared.memory.errors import KVCapacityError, LayerRangeError
 from kunserve.shared.model.pool_placement import fused_source
@@ -43,9 +44,13 @@ def digest(t: torch.Tensor) -> str:
 def test_engine_in_the_pool_matches_the_reference(inst):
     ref, margins = reference(inst)
     compare_greedy(generate(inst, "a"), ref, margins)
-    # weights are views of pool pages, not copies
+    # weights are views of pool pages, not copies: on a CPU in float32 the linear layers' panels
     q = inst.engine.runner.layers[0].qkv.w
-    assert q.data_ptr() == inst.layout.layer_weights(0)["model.layers.0.self_attn.qkv_proj.weight"].data_ptr()
+    stored = inst.layout.layer_weights(0)["model.layers.0.self_attn.qkv_proj.weight.panels"]
+    assert q.data_ptr() == stored.data_ptr()
+    head = inst.engine.runner.lm_head.w
+    assert head.data_ptr() == inst.layout.group_weights("head")["lm_head.weight.panels"].data_ptr()
+    del q, stored, head
 
 
 def test_drop_grows_capacity_keeps_kv_and_restore_brings_back_identical_weights(inst):
@@ -137,6 +142,10 @@ def test_fused_source_concatenates_hf_tensors():
     qkv = get("model.layers.0.self_attn.qkv_proj.weight")
     assert torch.equal(qkv[: w["model.layers.0.self_attn.q_proj.weight"].shape[0]],
                        w["model.layers.0.self_attn.q_proj.weight"])
+    # the panels name gives the same matrix in the CPU kernel's layout
+    panels = get("model.layers.0.self_attn.qkv_proj.weight.panels")
+    assert panels.shape == (-(-qkv.shape[0] // 64), qkv.shape[1], 64)
+    assert torch.equal(from_panels(panels, qkv.shape[0]), qkv)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a lent GPU machine)")
