@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kunserve.shared.policy.batch_scheduler import COSERVING_MODES
+from kunserve.shared.policy.elastic_tp import DEGREES as TP_DEGREES
 from kunserve.shared.policy.overload_policies import OVERLOAD_POLICIES
 
 ENV_PREFIX = "KUNSERVE__"
@@ -68,6 +69,24 @@ class WorkerSection(ServiceSection):
     layer_start: int = 0
     layer_end: int = -1  # -1 = all layers of the model
     transfer_port: int = 0  # UCX listener (KV exchange, activations); 0 = any free port, reported via GetInfo
+
+
+@dataclass
+class TensorParallelSection:
+    """A static tensor-parallel instance (README "Elastic tensor parallelism (Gyges)"): these workers, in rank order,
+    each hold a shard of every layer; rank 0 owns the requests. The ranks meet on `port` of rank 0's host."""
+
+    members: list[str] = field(default_factory=list)
+    port: int = 0  # the rendezvous port on rank 0's host; 0 = the local launcher picks a free one
+    # A collective that waits longer means a member hangs: the instance breaks and its workers exit (rank 0 sends a
+    # heartbeat every timeout_s / 4 while idle, so an idle instance never times out).
+    timeout_s: float = 30.0
+    rendezvous_timeout_s: float = 300.0  # how long the members wait for each other at start-up
+
+    @property
+    def degree(self) -> int:
+        return len(self.members)
+
 
 
 @dataclass
@@ -250,6 +269,7 @@ class ClusterConfig:
     memory_manager: MemoryManagerSection = field(default_factory=MemoryManagerSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
     workers: list[WorkerSection] = field(default_factory=list)
+    tensor_parallel: list[TensorParallelSection] = field(default_factory=list)
     engine: EngineSection = field(default_factory=EngineSection)
     policy: PolicySection = field(default_factory=PolicySection)
     slo: SLOSection = field(default_factory=SLOSection)
@@ -265,11 +285,18 @@ class ClusterConfig:
         known = ", ".join(w.id for w in self.workers) or "none"
         raise ConfigError(f"{self.source}: no worker with id {worker_id!r} (configured: {known})")
 
+    def tensor_parallel_of(self, worker_id: str) -> tuple[int, TensorParallelSection] | None:
+        """The [[tensor_parallel]] entry (its index and itself) that `worker_id` is a member of; None: none."""
+        for i, tp in enumerate(self.tensor_parallel):
+            if worker_id in tp.members:
+                return i, tp
+        return None
+
     def to_toml(self) -> str:
         """Serialize back to TOML (the launcher hands children one effective file)."""
         lines: list[str] = []
         for f in dataclasses.fields(self):
-            if f.name in ("workers", "source"):
+            if f.name in ("workers", "tensor_parallel", "source"):
                 continue
             lines.append(f"[{f.name}]")
             lines.extend(_toml_items(getattr(self, f.name)))
@@ -278,6 +305,11 @@ class ClusterConfig:
             lines.append("[[workers]]")
             lines.extend(_toml_items(w))
             lines.append("")
+        for tp in self.tensor_parallel:
+            lines.append("[[tensor_parallel]]")
+            lines.append("members = [" + ", ".join(_toml_str(m) for m in tp.members) + "]")
+            lines.extend(item for item in _toml_items(tp) if not item.startswith("members ="))
+            lines.append("")
         return "\n".join(lines)
 
 
@@ -285,6 +317,8 @@ def _toml_items(section: Any) -> list[str]:
     out = []
     for f in dataclasses.fields(section):
         v = getattr(section, f.name)
+        if isinstance(v, list):
+            continue  # list-valued keys are written by their section's owner (to_toml)
         if isinstance(v, bool):
             out.append(f"{f.name} = {'true' if v else 'false'}")
         elif isinstance(v, (int, float)):
@@ -358,11 +392,30 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluster
                 ws = WorkerSection()
                 _apply(f"{source}: workers[{i}]", ws, w)
                 cfg.workers.append(ws)
+        elif key == "tensor_parallel":
+            cfg.tensor_parallel = _tensor_parallel_from(source, value)
         else:
             _apply(f"{source}: {key}", getattr(cfg, key), value)
     if not data.get("workers"):
         cfg.workers = default_workers(2)
     return cfg
+
+
+def _tensor_parallel_from(source: str, value: Any) -> list[TensorParallelSection]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{source}: tensor_parallel must be an array of tables ([[tensor_parallel]])")
+    out = []
+    for i, table in enumerate(value):
+        where = f"{source}: tensor_parallel[{i}]"
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{where}: expected a table, got {table!r}")
+        members = table.get("members")
+        if not isinstance(members, list) or not all(isinstance(m, str) and m for m in members):
+            raise ConfigError(f"{where}.members: expected a list of worker ids in rank order, got {members!r}")
+        tp = TensorParallelSection(members=list(members))
+        _apply(where, tp, {k: v for k, v in table.items() if k != "members"})
+        out.append(tp)
+    return out
 
 
 def apply_env_overrides(cfg: ClusterConfig, environ: Mapping[str, str] | None = None) -> None:
@@ -380,7 +433,7 @@ def apply_env_overrides(cfg: ClusterConfig, environ: Mapping[str, str] | None = 
             if idx >= len(cfg.workers):
                 raise ConfigError(f"{where}: worker index {idx} out of range ({len(cfg.workers)} workers)")
             _apply(where, cfg.workers[idx], {parts[2]: value})
-        elif len(parts) == 2 and hasattr(cfg, parts[0]) and parts[0] != "source":
+        elif len(parts) == 2 and hasattr(cfg, parts[0]) and parts[0] not in ("source", "tensor_parallel"):
             _apply(where, getattr(cfg, parts[0]), {parts[1]: value})
         else:
             raise ConfigError(f"{where}: expected KUNSERVE__<section>__<key>")
@@ -409,6 +462,7 @@ def validate(cfg: ClusterConfig) -> None:
             raise ConfigError(f"{src}: {name}.transfer_port must be in [0, 65535], got {transfer_port}")
         if not (0 <= svc.metrics_port < 65536):
             raise ConfigError(f"{src}: {name}.metrics_port must be in [0, 65535] (0 = no /metrics), got {svc.metrics_port}")
+    _validate_tensor_parallel(cfg, seen)
     e = cfg.engine
     for key in ("block_size", "pool_mib", "page_kib", "max_num_batched_tokens", "max_num_seqs"):
         if getattr(e, key) <= 0:
@@ -491,6 +545,43 @@ def _validate_autoscale(cfg: ClusterConfig, src: str) -> None:
         raise ConfigError(f"{src}: autoscale.statefulset must name the worker StatefulSet (autoscale.scaler = kubernetes)")
     if cfg.memory_manager.member_timeout_s <= 0:
         raise ConfigError(f"{src}: memory_manager.member_timeout_s must be > 0, got {cfg.memory_manager.member_timeout_s}")
+
+
+def _validate_tensor_parallel(cfg: ClusterConfig, worker_ids: set[str]) -> None:
+    """Members are configured workers holding every layer, each in one instance of 1, 2 or 4; nothing that would move
+    one member's KV without the others' (swap preemption) or pair members into pipeline groups (static-pp). Whether
+    the degree divides the model's heads is checked where the model is known (the worker's start)."""
+    src = cfg.source
+    owner: dict[str, int] = {}
+    for i, tp in enumerate(cfg.tensor_parallel):
+        where = f"{src}: tensor_parallel[{i}]"
+        if tp.degree not in TP_DEGREES:
+            raise ConfigError(f"{where}.members: a tensor-parallel instance spans "
+                              f"{', '.join(map(str, TP_DEGREES))} workers, got {tp.degree} ({tp.members})")
+        for m in tp.members:
+            if m not in worker_ids:
+                raise ConfigError(f"{where}.members: no worker {m!r} (configured: {', '.join(sorted(worker_ids))})")
+            if m in owner:
+                other = owner[m]
+                raise ConfigError(f"{where}.members: worker {m!r} is "
+                                  + ("named twice" if other == i else f"already in tensor_parallel[{other}]"))
+            owner[m] = i
+            w = cfg.worker(m)
+            if w.layer_start != 0 or w.layer_end != -1:
+                raise ConfigError(f"{where}.members: worker {m!r} holds layers [{w.layer_start}, {w.layer_end}); "
+                                  "a tensor-parallel member holds a shard of every layer (layer_start = 0, "
+                                  "layer_end = -1)")
+        if not 0 <= tp.port < 65536:
+            raise ConfigError(f"{where}.port must be in [0, 65535] (0 = the local launcher picks one), got {tp.port}")
+        if not (tp.timeout_s > 0 and tp.rendezvous_timeout_s > 0):
+            raise ConfigError(f"{where}: timeout_s and rendezvous_timeout_s must be > 0")
+    if any(tp.degree > 1 for tp in cfg.tensor_parallel):
+        if cfg.policy.overload == "swap":
+            raise ConfigError(f"{src}: policy.overload = swap is not supported with tensor-parallel instances (a swap "
+                              "would move rank 0's KV shard and not the others')")
+        if cfg.policy.overload == "static-pp":
+            raise ConfigError(f"{src}: policy.overload = static-pp pairs every worker into a pipeline group; "
+                              "tensor-parallel members cannot join one")
 
 
 def _validate_security(sec: SecuritySection, src: str) -> None:

@@ -83,6 +83,7 @@ class GroupView:
     kv_blocks_undropped: int | None       # sum of the members' capacity as whole instances (None: unknown)
     transitioning: bool
     bubble_ratio: float | None = None     # see group_bubble_ratio (None: a member without stats, or no work yet)
+    tp_members: tuple[str, ...] = ()      # a tensor-parallel instance's members in rank order (empty: none)
 
 
 def group_bubble_ratio(order: list[str], stats, before=None) -> float | None:
@@ -121,6 +122,9 @@ def status_groups(status, before=None) -> list[GroupView]:
     out = []
     for gid in sorted(groups):
         wids = groups[gid]
+        tp = tp_members(stats[wids[0]]) if len(wids) == 1 and wids[0] in stats else ()
+        if tp and tp[0] != wids[0]:
+            continue  # a tensor-parallel follower: shown with its rank 0
         order = next((list(stats[w].group_members) for w in wids if w in stats and stats[w].group_members), [])
         if sorted(order) != sorted(wids):
             order = sorted(wids, key=lambda w: (_range(w, layout, stats)[0], w))
@@ -135,8 +139,19 @@ def status_groups(status, before=None) -> list[GroupView]:
                              stats[head].kv_blocks_total if head in stats else None,
                              sum(und) if all(x > 0 for x in und) else None,
                              any(stats[w].transitioning for w in order if w in stats),
-                             group_bubble_ratio(order, stats, earlier)))
+                             group_bubble_ratio(order, stats, earlier), tp))
     return out
+
+
+def tp_members(stats) -> tuple[str, ...]:
+    """The members (rank order) of the tensor-parallel instance a worker's stats report; empty when it is in none."""
+    return tuple(stats.tp_members) if stats.tp_degree > 1 else ()
+
+
+def tp_cell(stats) -> str:
+    """A worker's tensor-parallel degree, with its rank in an instance of more than one."""
+    members = tp_members(stats)
+    return f"{len(members)} (rank {members.index(stats.worker_id)})" if stats.worker_id in members else "1"
 
 
 def _range(wid: str, layout, stats) -> tuple[int, int]:
@@ -156,13 +171,18 @@ def format_groups(status, before=None) -> list[str]:
     lines = []
     for g in status_groups(status, before):
         kind = f"pipeline group of {len(g.members)}" if len(g.members) > 1 else "instance"
+        members = _members(g.members)
+        if g.tp_members:
+            _, a, b = g.members[0]
+            kind = f"tensor-parallel instance, TP{len(g.tp_members)}"
+            members = " + ".join(f"{w} (rank {r})" for r, w in enumerate(g.tp_members)) + f" [{a}, {b})"
         cap = "?" if g.kv_blocks_total is None else f"{g.kv_blocks_total}"
         und = f", undropped {g.kv_blocks_undropped}" if g.kv_blocks_undropped is not None and len(g.members) > 1 else ""
         state = "serving" if g.serving else "not serving"
         if g.transitioning:
             state += ", transitioning"
         bubble = f"; bubble {100 * g.bubble_ratio:.1f}%" if g.bubble_ratio is not None else ""
-        lines.append(f"{g.group_id} ({kind}, {state}): {_members(g.members)}; KV capacity {cap} blocks{und}{bubble}")
+        lines.append(f"{g.group_id} ({kind}, {state}): {members}; KV capacity {cap} blocks{und}{bubble}")
     return lines
 
 
@@ -188,7 +208,7 @@ def status_view(status: admin_pb2.AdminStatus, before: admin_pb2.AdminStatus | N
     cl = status.cluster
     t = Table(title=f"KunServe cluster - layout epoch {status.layout.epoch}, "
                     f"{status.layout.num_layers_model} model layers")
-    for col in ("worker", "address", "layers", "group", "serving", "healthy", "KV used/total", "KV %", "running",
+    for col in ("worker", "address", "layers", "group", "TP", "serving", "healthy", "KV used/total", "KV %", "running",
                 "waiting", "queued demand", "prompt tok/s", "gen tok/s", "preempted", "bubble %"):
         t.add_column(col, justify="right" if col not in ("worker", "address", "group", "serving") else "left")
     seen = set()
@@ -198,7 +218,7 @@ def status_view(status: admin_pb2.AdminStatus, before: admin_pb2.AdminStatus | N
         lay = layout.get(s.worker_id)
         serving = lay.serving if lay is not None else s.serving
         t.add_row(s.worker_id + _membership_mark(lay), s.address, f"{s.layer_start}-{s.layer_end}",
-                  (lay.group_id if lay else s.group_id) or "?",
+                  (lay.group_id if lay else s.group_id) or "?", tp_cell(s),
                   ("yes" if serving else "no") + (" (transitioning)" if s.transitioning else ""),
                   "[green]yes[/]" if ws.healthy else f"[red]no[/] ({ws.last_report_age_s:.0f}s)",
                   f"{s.kv_blocks_used}/{s.kv_blocks_total}", f"{100 * ws.kv_usage:.1f}", str(s.num_running),
@@ -210,7 +230,7 @@ def status_view(status: admin_pb2.AdminStatus, before: admin_pb2.AdminStatus | N
                   f"{100 * s.bubble_ratio:.1f}" if s.busy_seconds_total > 0 else "-")
     for wid, lay in sorted(layout.items()):
         if wid not in seen:
-            t.add_row(wid + _membership_mark(lay), lay.address, f"{lay.layer_start}-{lay.layer_end}", lay.group_id,
+            t.add_row(wid + _membership_mark(lay), lay.address, f"{lay.layer_start}-{lay.layer_end}", lay.group_id, "?",
                       "yes" if lay.serving else "no", "[red]no stats[/]", "-", "-", "-", "-", "-", "-", "-", "-", "-")
     parts: list[Any] = [t]
     lines = format_groups(status, before)

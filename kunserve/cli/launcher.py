@@ -75,6 +75,8 @@ def assign_free_ports(cfg: ClusterConfig) -> None:
         cfg.dispatcher.http_port = free_port()
     for w in cfg.workers:
         w.transfer_port = free_port()
+    for tp in cfg.tensor_parallel:  # the rendezvous of each tensor-parallel instance
+        tp.port = free_port()
 
 
 def standby_sections(cfg: ClusterConfig, n: int, *, free_ports: bool = False) -> list[WorkerSection]:
@@ -205,6 +207,9 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 120.0, progress=None) -> None:
         self.write_credentials()
+        for tp in self.cfg.tensor_parallel:  # port 0: the launcher picks the instance's rendezvous port
+            if tp.port == 0:
+                tp.port = free_port()
         self.config_path.write_text(self.cfg.to_toml())
         env = self._child_env()
         # Any failure (a later Popen, a log file that cannot be opened, Ctrl-C, a child that never gets

@@ -76,7 +76,7 @@ class CancelResponse(_message.Message):
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "address", "kv_blocks_total", "kv_blocks_used", "block_size", "num_running", "num_waiting", "queued_demand_blocks", "num_preemptions", "prompt_tokens_total", "generated_tokens_total", "timestamp_unix_s", "layer_start", "layer_end", "num_layers_model", "busy_seconds_total", "idle_seconds_total", "bubble_seconds_total", "bubble_ratio", "serving", "group_id", "group_members", "epoch", "transitioning", "kv_blocks_undropped", "oldest_waiting_age_s", "num_offline_running", "num_offline_waiting", "offline_kv_blocks_used", "offline_queued_demand_blocks", "oldest_online_waiting_age_s")
+    __slots__ = ("worker_id", "address", "kv_blocks_total", "kv_blocks_used", "block_size", "num_running", "num_waiting", "queued_demand_blocks", "num_preemptions", "prompt_tokens_total", "generated_tokens_total", "timestamp_unix_s", "layer_start", "layer_end", "num_layers_model", "busy_seconds_total", "idle_seconds_total", "bubble_seconds_total", "bubble_ratio", "serving", "group_id", "group_members", "epoch", "transitioning", "kv_blocks_undropped", "oldest_waiting_age_s", "num_offline_running", "num_offline_waiting", "offline_kv_blocks_used", "offline_queued_demand_blocks", "oldest_online_waiting_age_s", "tp_degree", "tp_members")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,8 @@ class WorkerStats(_message.Message):
     OFFLINE_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     OFFLINE_QUEUED_DEMAND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OLDEST_ONLINE_WAITING_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
+    TP_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     kv_blocks_total: int
@@ -139,4 +141,6 @@ class WorkerStats(_message.Message):
     offline_kv_blocks_used: int
     offline_queued_demand_blocks: int
     oldest_online_waiting_age_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_demand_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., timestamp_unix_s: _Optional[float] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers_model: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., idle_seconds_total: _Optional[float] = ..., bubble_seconds_total: _Optional[float] = ..., bubble_ratio: _Optional[float] = ..., serving: _Optional[bool] = ..., group_id: _Optional[str] = ..., group_members: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., transitioning: _Optional[bool] = ..., kv_blocks_undropped: _Optional[int] = ..., oldest_waiting_age_s: _Optional[float] = ..., num_offline_running: _Optional[int] = ..., num_offline_waiting: _Optional[int] = ..., offline_kv_blocks_used: _Optional[int] = ..., offline_queued_demand_blocks: _Optional[int] = ..., oldest_online_waiting_age_s: _Optional[float] = ...) -> None: ...
+    tp_degree: int
+    tp_members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_demand_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., timestamp_unix_s: _Optional[float] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers_model: _Optional[int] = ..., busy_seconds_total: _Optional[float] = ..., idle_seconds_total: _Optional[float] = ..., bubble_seconds_total: _Optional[float] = ..., bubble_ratio: _Optional[float] = ..., serving: _Optional[bool] = ..., group_id: _Optional[str] = ..., group_members: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., transitioning: _Optional[bool] = ..., kv_blocks_undropped: _Optional[int] = ..., oldest_waiting_age_s: _Optional[float] = ..., num_offline_running: _Optional[int] = ..., num_offline_waiting: _Optional[int] = ..., offline_kv_blocks_used: _Optional[int] = ..., offline_queued_demand_blocks: _Optional[int] = ..., oldest_online_waiting_age_s: _Optional[float] = ..., tp_degree: _Optional[int] = ..., tp_members: _Optional[_Iterable[str]] = ...) -> None: ...

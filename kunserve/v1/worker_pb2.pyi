@@ -332,7 +332,7 @@ class WorkerTokenEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., moved_to: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "model_name", "num_layers_model", "layer_start", "layer_end", "vocab_size", "max_model_len", "block_size", "kv_blocks_total", "device", "dtype", "transfer_address", "group_id", "group_members", "epoch", "serving", "transitioning", "transfer_peers", "transition_epoch")
+    __slots__ = ("worker_id", "address", "model_name", "num_layers_model", "layer_start", "layer_end", "vocab_size", "max_model_len", "block_size", "kv_blocks_total", "device", "dtype", "transfer_address", "group_id", "group_members", "epoch", "serving", "transitioning", "transfer_peers", "transition_epoch", "tp_degree", "tp_members")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -353,6 +353,8 @@ class WorkerInfo(_message.Message):
     TRANSITIONING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_PEERS_FIELD_NUMBER: _ClassVar[int]
     TRANSITION_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
+    TP_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model_name: str
@@ -373,7 +375,9 @@ class WorkerInfo(_message.Message):
     transitioning: bool
     transfer_peers: _containers.RepeatedScalarFieldContainer[str]
     transition_epoch: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers_model: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., transfer_address: _Optional[str] = ..., group_id: _Optional[str] = ..., group_members: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., transitioning: _Optional[bool] = ..., transfer_peers: _Optional[_Iterable[str]] = ..., transition_epoch: _Optional[int] = ...) -> None: ...
+    tp_degree: int
+    tp_members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers_model: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., transfer_address: _Optional[str] = ..., group_id: _Optional[str] = ..., group_members: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., transitioning: _Optional[bool] = ..., transfer_peers: _Optional[_Iterable[str]] = ..., transition_epoch: _Optional[int] = ..., tp_degree: _Optional[int] = ..., tp_members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PeerAddress(_message.Message):
     __slots__ = ("worker_id", "transfer_address")

@@ -129,6 +129,16 @@ class ClusterView:
     units: tuple[Unit, ...]
     epochs: dict[str, int]  # every reachable worker -> the layout epoch of its latest transition
     num_layers: int
+    # members of tensor-parallel instances -> their instance's members (rank order): in no unit, since the parameter
+    # drop, restore and migration are not supported on them
+    tensor_parallel: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    def refuse_tensor_parallel(self, worker_id: str) -> None:
+        members = self.tensor_parallel.get(worker_id)
+        if members is not None:
+            raise OrchestrationError("FAILED_PRECONDITION", f"worker {worker_id} is a member of tensor-parallel instance "
+                                     f"{members[0]} (TP{len(members)}: {', '.join(members)}); the parameter drop, "
+                                     "restore and migration are not supported on tensor-parallel instances")
 
     def reachable(self, worker_id: str) -> bool:
         return worker_id in self.epochs
@@ -189,7 +199,8 @@ class Orchestrator:
         if not infos:
             raise OrchestrationError("UNAVAILABLE", "no worker is reachable")
         units: list[Unit] = []
-        seen: set[str] = set()
+        tensor_parallel = {wid: tuple(i.tp_members) for wid, i in infos.items() if len(i.tp_members) > 1}
+        seen: set[str] = set(tensor_parallel)
         for wid in sorted(infos):
             if wid in seen:
                 continue
@@ -201,7 +212,7 @@ class Orchestrator:
             units.append(Unit(i.group_id or wid, tuple(
                 Member(m, infos[m].layer_start, infos[m].layer_end, infos[m].transfer_address) for m in members)))
         return ClusterView(tuple(units), {wid: i.epoch for wid, i in infos.items()},
-                           max(i.num_layers_model for i in infos.values()))
+                           max(i.num_layers_model for i in infos.values()), tensor_parallel)
 
     async def model_cost(self, view: ClusterView) -> planner.ModelCost:
         """Per-layer weight bytes and KV bytes per token, from one worker's memory map (cached)."""
@@ -265,6 +276,7 @@ class Orchestrator:
             for w in ids:
                 if w not in configured:
                     raise OrchestrationError("NOT_FOUND", f"worker_ids: no worker {w!r} (known: {known})")
+                view.refuse_tensor_parallel(w)
                 unit = view.unit_of(w)
                 if unit is None:
                     raise OrchestrationError("UNAVAILABLE", f"worker {w} is not reachable")
@@ -374,6 +386,7 @@ class Orchestrator:
             for wid in (req.src_worker, req.dst_worker):
                 if wid not in configured:
                     raise OrchestrationError("NOT_FOUND", f"no worker {wid!r} (known: {', '.join(sorted(configured))})")
+                view.refuse_tensor_parallel(wid)
                 u = view.unit_of(wid)
                 if u is None:
                     raise OrchestrationError("UNAVAILABLE", f"worker {wid} is not reachable")

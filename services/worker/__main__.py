@@ -21,6 +21,7 @@ from kunserve.services.worker.cluster_membership import ClusterMembership, Membe
 from kunserve.services.worker.metrics import IterationMetrics, worker_families
 from kunserve.services.worker.reporter import report_stats_forever
 from kunserve.services.worker.servicer import WorkerServicer
+from kunserve.services.worker.tp_member import EXIT_BROKEN
 from kunserve.shared import rpc
 from kunserve.shared.config import ClusterConfig, ConfigError, WorkerSection, load_config
 from kunserve.shared.credentials import internal_rules
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, log, seed = load_worker_config(args)
     creds = load_service_credentials(cfg, f"worker {args.worker_id}")
     try:
-        engine_loop, instance, identity = build_worker(cfg, args.worker_id)
+        engine_loop, instance, identity, tp = build_worker(cfg, args.worker_id)
     except WorkerBuildError as exc:
         print(f"worker {args.worker_id}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
             log.error("transfer_service_unavailable", error=f"{type(exc).__name__}: {exc}")
             transfer = None
         servicer = WorkerServicer(identity, engine_loop, instance, transfer,
-                                  cfg.memory_manager.transition_timeout_s)
+                                  cfg.memory_manager.transition_timeout_s, tp=tp)
         tasks: list[asyncio.Task] = []
         reporting: list[asyncio.Task] = []  # the stats stream to the monitor: only while in service
         registry.register(Lazy(lambda: worker_families(servicer.current_stats())))
@@ -157,7 +158,9 @@ def main(argv: list[str] | None = None) -> None:
                      else "--metrics-port")
             metrics = await serve_metrics(registry, wsec.metrics_bind, where)
             engine_loop.start()
-            if servicer.transitions is not None and cfg.engine.warm_staging:
+            if tp is not None:
+                tp.start(engine_loop)
+            if servicer.transitions is not None and cfg.engine.warm_staging and tp is None:  # TP: no drops
                 tasks.append(asyncio.create_task(servicer.transitions.keep_staging_warm()))
             if not seed:
                 # A joining worker serves once the memory manager accepted it (health says SERVING only then); a
@@ -177,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         async def stopping() -> None:
             for t in tasks:
                 t.cancel()
+            if tp is not None:
+                tp.cancel_tasks()
             stop_reporting()
             if not seed:
                 await membership.deregister("shutdown")
@@ -184,15 +189,20 @@ def main(argv: list[str] | None = None) -> None:
             if metrics is not None:
                 await metrics.stop()
             await servicer.shutdown()
+            if tp is not None:
+                await asyncio.to_thread(tp.close, engine_loop)
             if transfer is not None:
                 await transfer.close()
 
         await rpc.run_service("kunserve.v1.Worker", wsec.bind_address, register, on_started=started,
                               on_shutdown=stopping, auth=internal_rules(creds), tls=creds.tls,
                               require_client_cert=creds.tls is not None and creds.tls.mutual,
-                              alive=lambda: engine_loop.error is None and engine_loop.step_seconds() < stuck_s)
+                              alive=lambda: (engine_loop.error is None and engine_loop.step_seconds() < stuck_s
+                                             and (tp is None or tp.broken(engine_loop) is None)))
 
     rpc.run(amain)
+    if tp is not None and tp.exited_broken:  # its instance broke: start again with the other members
+        raise SystemExit(EXIT_BROKEN)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 
 from kunserve.services.worker.own_profile import ProfileKey, cache_path, find_own_profile
 from kunserve.services.worker.servicer import WorkerIdentity
+from kunserve.services.worker.tp_member import TPMembership, membership_of
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
@@ -62,16 +63,18 @@ def make_token_budget(cfg: ClusterConfig, prof: Profile | None, found: str) -> t
                     f"{cfg.slo.tbt_ms:g} ms), at most {e.max_num_batched_tokens} tokens")
 
 
-def layerwise_every(cfg: ClusterConfig) -> int:
+def layerwise_every(cfg: ClusterConfig, tp: TPMembership | None = None) -> int:
     """Layers between safepoints of layer-wise preemption: engine.safepoint_layers under ConServe; 0 (off) for the
-    baselines, which preempt at iteration boundaries only."""
-    return cfg.engine.safepoint_layers if cfg.engine.coserving == "conserve" else 0
+    baselines, which preempt at iteration boundaries only, and for a tensor-parallel member (a cut would drop rows
+    from rank 0's shard alone)."""
+    return cfg.engine.safepoint_layers if cfg.engine.coserving == "conserve" and tp is None else 0
 
 
-def checkpoint_bytes(cfg: ClusterConfig) -> int:
+def checkpoint_bytes(cfg: ClusterConfig, tp: TPMembership | None = None) -> int:
     """Host memory for the incremental KV checkpoints of offline requests: engine.checkpoint_mib under ConServe; 0
-    (off) for the baselines, whose preemption is recompute."""
-    return cfg.engine.checkpoint_mib * MIB if cfg.engine.coserving == "conserve" else 0
+    (off) for the baselines, whose preemption is recompute, and for a tensor-parallel member (a checkpoint would hold
+    rank 0's shard of the KV alone)."""
+    return cfg.engine.checkpoint_mib * MIB if cfg.engine.coserving == "conserve" and tp is None else 0
 
 
 def make_microbatch_former(cfg: ClusterConfig, prof: Profile | None, found: str) -> tuple[MicrobatchFormer, str]:
@@ -109,8 +112,12 @@ def worker_profile(cfg: ClusterConfig, source: ModelSource, layers: tuple[int, i
     return find_own_profile(key, configured=e.profile, cache=cache_path(e.profile_cache), measure=measure)
 
 
-def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, PooledInstance, WorkerIdentity]:
+def build_worker(cfg: ClusterConfig, worker_id: str
+                 ) -> tuple[EngineLoop, PooledInstance, WorkerIdentity, TPMembership | None]:
+    """The worker's engine loop, instance and identity, and its tensor-parallel membership (None: a whole instance of
+    its own); a member has met the other members of its instance when this returns."""
     wsec = cfg.worker(worker_id)
+    tp = membership_of(cfg, worker_id)
     try:
         device = pick_device(cfg.model.device)
     except DeviceError as exc:
@@ -120,6 +127,12 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Pooled
     except (OSError, ValueError) as exc:
         raise WorkerBuildError(f"cannot load model {cfg.model.path or '<embedded>'}: {exc}") from None
     mcfg = source.config
+    served = source
+    if tp is not None:
+        try:
+            source = tp.shard(source)  # the pool holds this rank's shard only
+        except ValueError as exc:
+            raise WorkerBuildError(str(exc)) from None
     start = wsec.layer_start
     end = mcfg.num_layers if wsec.layer_end < 0 else wsec.layer_end
     if not (0 <= start < end <= mcfg.num_layers):
@@ -127,7 +140,10 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Pooled
                                f"{mcfg.num_layers} layers")
     e = cfg.engine
     threads = thread_share(cfg)
-    prof, found = worker_profile(cfg, source, (start, end), device, threads)
+    if tp is not None and not tp.is_leader:
+        prof, found = None, "a tensor-parallel follower runs rank 0's steps"
+    else:  # rank 0 starts from its shard's profile; the measured step time (all-reduces included) takes over
+        prof, found = worker_profile(cfg, source, (start, end), device, threads)
     budget, why = make_token_budget(cfg, prof, found)
     try:
         instance = PooledInstance(
@@ -146,12 +162,20 @@ def build_worker(cfg: ClusterConfig, worker_id: str) -> tuple[EngineLoop, Pooled
     log = get_logger()
     (log.warning if why.startswith("fallback") else log.info)("token_budget", budget=why)
     instance.engine.former, why = make_microbatch_former(cfg, prof, found)
-    instance.engine.enable_layerwise_preemption(layerwise_every(cfg), cfg.slo.ttft_ms / 1e3)
-    instance.engine.enable_kv_checkpoint(checkpoint_bytes(cfg))
+    instance.engine.enable_layerwise_preemption(layerwise_every(cfg, tp), cfg.slo.ttft_ms / 1e3)
+    instance.engine.enable_kv_checkpoint(checkpoint_bytes(cfg, tp))
     (log.warning if why.startswith("fallback") else log.info)("pipeline_microbatches", microbatches=why)
+    if tp is not None:
+        log.info("tensor_parallel_joining", role=tp.describe(), rendezvous=f"{tp.host}:{tp.port}")
+        try:
+            tp.join(instance, device, threads)
+        except (ValueError, RuntimeError) as exc:  # a rendezvous that timed out, unequal capacities
+            instance.close()
+            raise WorkerBuildError(f"{tp.where}: cannot form the instance as {tp.describe()}: {exc}") from None
+        log.info("tensor_parallel_joined", role=tp.describe(), kv_blocks=instance.engine.allocator.num_blocks)
     loop = EngineLoop(instance.engine, num_threads=threads)
     identity = WorkerIdentity(
-        worker_id=worker_id, address=wsec.address, model_name=source.name, num_layers_model=mcfg.num_layers,
+        worker_id=worker_id, address=wsec.address, model_name=served.name, num_layers_model=mcfg.num_layers,
         vocab_size=mcfg.vocab_size, max_model_len=mcfg.max_position_embeddings, device=device, dtype=mcfg.dtype,
     )
-    return loop, instance, identity
+    return loop, instance, identity, tp

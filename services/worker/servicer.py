@@ -28,6 +28,7 @@ from kunserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from .cluster_membership import ClusterMembership, MembershipRefused
 from .handover import Moved
 from .relayout import TransitionRefused, TransitionRunner
+from .tp_member import TPMembership
 
 DRAIN_POLL_S = 0.05
 HANDOVER_WAIT_S = 5.0  # after a drain's timeout: how long the ended streams take to close
@@ -47,8 +48,9 @@ class WorkerIdentity:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, identity: WorkerIdentity, engine_loop, instance: PooledInstance,
-                 transfer=None, transition_timeout_s: float = 60.0) -> None:
+                 transfer=None, transition_timeout_s: float = 60.0, tp: TPMembership | None = None) -> None:
         self.identity = identity
+        self.tp = tp  # its tensor-parallel instance (None: a whole instance of its own)
         self.engine = engine_loop  # EngineLoop
         self.instance = instance
         self._remap_lock = asyncio.Lock()  # one drop / restore at a time
@@ -76,7 +78,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     @property
     def serving(self) -> bool:
-        return self.engine.running and self.engine.engine.serving and not self.transitioning and self.in_service
+        """Routable: a whole instance, the head of a pipeline group or rank 0 of a tensor-parallel instance."""
+        return (self.engine.running and self.engine.engine.serving and not self.transitioning and self.in_service
+                and (self.tp is None or self.tp.is_leader))
 
     # -- requests ---------------------------------------------------------------------------------
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):
@@ -98,6 +102,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 "retry shortly or on another worker")
         if self.cluster is not None and not self.cluster.in_service:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.cluster.why_not_serving())
+        if self.tp is not None and not self.tp.is_leader:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.identity.worker_id} is {self.tp.describe()}; send requests to "
+                                f"{self.tp.members[0]}")
         if rid in self.streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running on this worker")
         engine_request = EngineRequest(
@@ -183,7 +191,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         t = self.transitions
         return dict(serving=self.serving, group_id=t.unit_id if t else self.identity.worker_id,
                     group_members=t.members if t else [self.identity.worker_id], epoch=t.epoch if t else 0,
-                    transitioning=self.transitioning)
+                    transitioning=self.transitioning, tp_degree=self.tp.degree if self.tp else 1,
+                    tp_members=list(self.tp.members) if self.tp else [self.identity.worker_id])
 
     def current_stats(self) -> common_pb2.WorkerStats:
         ident = self.identity
@@ -243,7 +252,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "layers: must not be empty")
         return layers
 
+    async def _not_tensor_parallel(self, context) -> None:
+        if self.tp is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.identity.worker_id} is {self.tp.describe()}: the parameter drop, "
+                                "restore and migration are not supported on tensor-parallel instances")
+
     async def _not_in_group(self, context) -> None:
+        await self._not_tensor_parallel(context)
         t = self.transitions
         if t is not None and (t.role is not None or t.transitioning):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -311,9 +327,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 f"({type(exc).__name__}: {exc}); healed to a whole instance")
 
     async def PrepareTransition(self, request: worker_pb2.TransitionSpec, context: grpc.aio.ServicerContext):
+        await self._not_tensor_parallel(context)
         return await self._transition(context, lambda t: t.prepare(request), request.epoch)
 
     async def ExecuteTransition(self, request: worker_pb2.TransitionSpec, context: grpc.aio.ServicerContext):
+        await self._not_tensor_parallel(context)
         return await self._transition(context, lambda t: t.execute(request), request.epoch)
 
     async def CommitTransition(self, request: worker_pb2.TransitionRef, context: grpc.aio.ServicerContext):

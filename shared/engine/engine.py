@@ -49,11 +49,16 @@ from kunserve.shared.policy.measured_latency import MeasuredLatencyModel
 from kunserve.shared.policy.microbatch import DecodeSplit, Microbatch, MicrobatchFormer, MicroChunk
 from kunserve.shared.policy.token_budget import SLOTokenBudget
 
-__all__ = ["Engine", "SchedulerConfig", "PipelineLink", "GroupBroken", "NotServing"]
+__all__ = ["Engine", "SchedulerConfig", "PipelineLink", "GroupBroken", "InstanceBroken", "NotServing"]
 
 
 class GroupBroken(RuntimeError):
     """A pipeline stage of this head's group is gone (or timed out); the worker heals to a whole instance."""
+
+
+class InstanceBroken(RuntimeError):
+    """A process this instance computes with is gone (a tensor-parallel member): no batch can compute any more. It
+    passes the per-batch failure handling, so the engine loop stops and every request resumes elsewhere."""
 
 
 class NotServing(InvalidRequest):
@@ -175,6 +180,9 @@ class Engine:
         # Called on the engine thread with every iteration's (a head's: microbatch's) scheduled chunks before they
         # compute: the worker's Prometheus metrics (tokens per iteration, queue time) read what was scheduled.
         self.on_schedule: Callable[[list[ScheduledChunk]], None] | None = None
+        # Rank 0 of a tensor-parallel instance (tensor_parallel.py): gets every forward's plan and inputs before it
+        # computes, so the other ranks run the same forward on their shards.
+        self.step_plan: Callable[[StageBatch, torch.Tensor], None] | None = None
 
     # -- requests -------------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -258,6 +266,8 @@ class Engine:
         scheduled, cuts = chunks, self.layerwise_preemptions
         try:
             logits, sampled, chunks = self._forward(chunks)
+        except InstanceBroken:
+            raise
         except Exception as exc:  # a fault computing this batch: its requests fail, the engine goes on
             return self._fail_batch(chunks, exc)
         self.consecutive_failed_steps = 0
@@ -349,6 +359,8 @@ class Engine:
         """This engine's layers over the batch, from token ids (first layer) or the previous stage's hidden
         states: logits of batch.rows (last layer) or hidden states for the next stage. Every member of a
         group and a whole instance compute through here."""
+        if self.step_plan is not None:
+            self.step_plan(batch, inputs)
         dev = self.device
         args = (inputs.to(dev), batch.positions_tensor(dev), self.kv, batch.metadata(self.block_size, dev),
                 batch.rows_tensor(dev) if self.runner.is_last else None)
@@ -990,7 +1002,7 @@ class Engine:
         """Compute layers [start, end) over `weights` from now on (views of the pool's pages after a remap),
         with the same attention backend."""
         self.runner = ModelRunner(self.cfg, weights, layer_range, self.device, attention=self.runner.attention,
-                                  pack_weights=self.pack_weights)
+                                  pack_weights=self.pack_weights, reduce=self.runner.reduce)
 
     def _capacity(self) -> int:
         """Blocks this engine may use: its storage's, capped at the group's block space when it heads one."""

@@ -13,6 +13,7 @@ devices and dtypes use torch's linear (oneDNN for float32 [out, in] weights on a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,8 +77,10 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, layer_range: tuple[int, int] | None = None,
                  device: str | torch.device = "cpu", attention: Attention | None = None,
-                 pack_weights: bool | None = None) -> None:
+                 pack_weights: bool | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.cfg = cfg
+        # Tensor parallelism (tensor_parallel.py): sums o_proj's and down_proj's partial outputs across the ranks
+        self.reduce = reduce
         self.start, self.end = layer_range or (0, cfg.num_layers)
         if not (0 <= self.start < self.end <= cfg.num_layers):
             raise ValueError(f"layer range [{self.start}, {self.end}) outside the model's {cfg.num_layers} layers")
@@ -220,11 +223,13 @@ class ModelRunner:
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, nq + nkv:].view(T, nkvh, hd)
             o = self.attention.forward(q, k, v, kv.layer_cache(i), meta)
-            x = x + L.o(o.reshape(T, nq))
+            a = L.o(o.reshape(T, nq))
+            x = x + (a if self.reduce is None else self.reduce(a))
             h = self._rms(x, L.ln2)
             gu = L.gate_up(h)
             inter = gu.shape[-1] // 2
-            x = x + L.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+            m = L.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+            x = x + (m if self.reduce is None else self.reduce(m))
         if not self.is_last:
             return x
         if logits_rows is not None:

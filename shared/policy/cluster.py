@@ -124,9 +124,13 @@ class WorkerReport:
     offline_kv_blocks_used: int = 0       # of kv_blocks_used
     offline_queued_demand_blocks: int = 0  # of queued_demand_blocks
     oldest_online_waiting_age_s: float = 0.0  # oldest_waiting_age_s over online requests only
+    # Tensor parallelism: the instance's degree (0 or 1: none) and members in rank order ([0] owns the requests)
+    tp_degree: int = 0
+    tp_members: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "unit_members", tuple(self.unit_members))
+        object.__setattr__(self, "tp_members", tuple(self.tp_members))
 
     @property
     def online_kv_blocks_used(self) -> int:
@@ -157,3 +161,9 @@ class WorkerReport:
         """A pipeline group's member other than its head: its KV numbers describe the head's block-id space
         again."""
         return len(self.unit_members) > 1 and self.unit_members[0] != self.worker_id
+
+    @property
+    def is_tp_follower(self) -> bool:
+        """A tensor-parallel member other than rank 0: it holds a shard of the KV rank 0 reports, and takes no
+        requests of its own."""
+        return len(self.tp_members) > 1 and self.tp_members[0] != self.worker_id

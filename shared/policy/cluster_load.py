@@ -105,8 +105,9 @@ class ClusterLoad:
                 generated_tokens_per_s=t.generated_rate if healthy else 0.0,
             ))
             # A pipeline group's members share one block-id space: every request's KV spans all of them and
-            # the head reports the group's numbers, so only the head adds to the cluster's KV totals.
-            if healthy and not r.is_non_head_member:
+            # the head reports the group's numbers, so only the head adds to the cluster's KV totals; likewise a
+            # tensor-parallel instance's rank 0.
+            if healthy and not r.is_non_head_member and not r.is_tp_follower:
                 total += r.kv_blocks_total
                 used += r.kv_blocks_used
                 queued += r.queued_demand_blocks

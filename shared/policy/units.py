@@ -112,6 +112,8 @@ def _build_one(uid: str, claimants: list[WorkerReport],
     if len(epochs) != 1:
         return None, "members report different layout epochs"
     head = reports[0]
+    if head.is_tp_follower:
+        return None, f"tensor-parallel member of {head.tp_members[0]}: rank 0 reports the instance"
     if not head.routable:
         return None, "not serving"
     if len(members) == 1:

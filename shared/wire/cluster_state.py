@@ -22,19 +22,21 @@ _REPORT_FIELDS = (
     "num_preemptions", "prompt_tokens_total", "generated_tokens_total", "oldest_waiting_age_s",
     "busy_seconds_total", "idle_seconds_total", "bubble_seconds_total", "bubble_ratio", "num_offline_running",
     "num_offline_waiting", "offline_kv_blocks_used", "offline_queued_demand_blocks", "oldest_online_waiting_age_s",
+    "tp_degree",
 )
 
 
 def report_from_pb(pb: common_pb2.WorkerStats) -> WorkerReport:
     return WorkerReport(Member(pb.worker_id, pb.layer_start, pb.layer_end), unit_id=pb.group_id,
-                        unit_members=tuple(pb.group_members), **{f: getattr(pb, f) for f in _REPORT_FIELDS})
+                        unit_members=tuple(pb.group_members), tp_members=tuple(pb.tp_members),
+                        **{f: getattr(pb, f) for f in _REPORT_FIELDS})
 
 
 def report_to_pb(r: WorkerReport) -> common_pb2.WorkerStats:
     m = r.member
     return common_pb2.WorkerStats(worker_id=m.worker_id, layer_start=m.layer_start, layer_end=m.layer_end,
                                   group_id=r.unit_id, group_members=list(r.unit_members),
-                                  **{f: getattr(r, f) for f in _REPORT_FIELDS})
+                                  tp_members=list(r.tp_members), **{f: getattr(r, f) for f in _REPORT_FIELDS})
 
 
 def status_to_pb(s: ClusterStatus) -> monitor_pb2.ClusterStatus:

@@ -228,6 +228,25 @@ def test_render_status_shows_groups_serving_and_epoch(capsys):
     assert "g1 (pipeline group of 2, serving): w1 [0, 2) -> w0 [2, 4); KV capacity 2400 blocks" in out
 
 
+def test_status_shows_each_instance_tp_degree_and_members(capsys):
+    """A TP2 instance is one line (rank 0's KV), its follower folded into it; a whole instance shows degree 1."""
+    tp = {"tp_degree": 2, "tp_members": ["w0", "w1"]}
+    status = admin_pb2.AdminStatus(cluster=monitor_pb2.ClusterStatus(workers=[
+        stats("w0", 0, 4, "w0", ["w0"], 3000, serving=True, **tp),
+        stats("w1", 0, 4, "w1", ["w1"], 3000, **tp),
+        stats("w2", 0, 4, "w2", ["w2"], 1000, serving=True, tp_degree=1, tp_members=["w2"]),
+    ]))
+    assert format_groups(status) == [
+        "w0 (tensor-parallel instance, TP2, serving): w0 (rank 0) + w1 (rank 1) [0, 4); KV capacity 3000 blocks",
+        "w2 (instance, serving): w2 [0, 4); KV capacity 1000 blocks",
+    ]
+    assert [kunctl.tp_cell(w.stats) for w in status.cluster.workers] == ["2 (rank 0)", "2 (rank 1)", "1"]
+    kunctl.render_status(status)
+    out = capsys.readouterr().out
+    assert "TP" in out and "2 (rank 1)" in out
+    assert json.loads(kunctl.message_json(status))["cluster"]["workers"][1]["stats"]["tp_members"] == ["w0", "w1"]
+
+
 # --- commands against an in-process fake memory manager ---------------------------------------------------------
 
 class FakeMemoryManager(memory_manager_pb2_grpc.MemoryManagerServicer):

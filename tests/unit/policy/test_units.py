@@ -145,3 +145,18 @@ def test_queue_time_reaches_the_unit_and_the_cluster_status():
     calm = ClusterLoad(stale_after_s=3.0)
     calm.observe(s, 0.0)
     assert not calm.status(0.1, 0.0).overloaded
+
+
+def test_a_tensor_parallel_instance_is_its_rank_0_and_counts_once():
+    """Rank 0 of a TP2 instance is a routable unit carrying the instance's KV; its follower is skipped (with why) and
+    left out of the cluster's KV totals."""
+    tp = {"tp_degree": 2, "tp_members": ("t0", "t1")}
+    reports = [whole("t0", used=100, total=3000, **tp), whole("t1", total=3000, serving=False, **tp), whole("w")]
+    u = build_units(reports)
+    assert [x.unit_id for x in u.units] == ["t0", "w"] and u.units[0].load.total_blocks == 3000
+    assert u.skipped == {"t1": "tensor-parallel member of t0: rank 0 reports the instance"}
+    load = ClusterLoad()
+    for r in reports:
+        load.observe(r, now=0.0)
+    status = load.status(0.0, 0.0)
+    assert (status.kv_blocks_total, status.kv_blocks_used) == (4000, 100)

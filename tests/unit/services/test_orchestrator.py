@@ -558,3 +558,37 @@ def test_the_spec_says_whether_the_kv_lands_after_the_commit():
         assert specs and all(s.background_kv is background for s in specs)
         assert report.kv_in_background is background
         assert report.pause_seconds == 0.125  # the longest any member served nothing
+
+
+# -- tensor-parallel instances take no part in drops, restores or migrations -----------------------------------
+
+
+def with_tp_pair() -> FakeCluster:
+    """w0 + w1 form a TP2 instance; w2 and w3 are whole instances."""
+    c = wholes("w0", "w1", "w2", "w3")
+    for w in ("w0", "w1"):
+        c.workers[w].info.tp_degree = 2
+        c.workers[w].info.tp_members[:] = ["w0", "w1"]
+    return c
+
+
+def test_tensor_parallel_members_are_left_out_of_drop_plans():
+    c = with_tp_pair()
+    report = run(orchestrator(c).drop(memory_manager_pb2.DropRequest()))
+    assert report.completed, report.error
+    prepare = c.calls("PrepareTransition")[0].request
+    assert [ranges(u) for u in prepare.new_units] == [[("w2", 0, 2), ("w3", 2, 4)]]
+    assert {w for _, w in c.transition_calls()} == {"w2", "w3"}
+
+
+@pytest.mark.parametrize("call", [
+    lambda o: o.drop(memory_manager_pb2.DropRequest(groups=[memory_manager_pb2.GroupMembers(worker_ids=["w2", "w1"])])),
+    lambda o: o.migrate(memory_manager_pb2.MigrateRequest(src_worker="w0", dst_worker="w2", blocks=1)),
+    lambda o: o.migrate(memory_manager_pb2.MigrateRequest(src_worker="w2", dst_worker="w1", blocks=1)),
+])
+def test_a_drop_or_migration_naming_a_tensor_parallel_member_is_refused(call):
+    c = with_tp_pair()
+    with pytest.raises(OrchestrationError) as e:
+        run(call(orchestrator(c)))
+    assert e.value.code == "FAILED_PRECONDITION" and "tensor-parallel instance w0 (TP2: w0, w1)" in str(e.value)
+    assert c.transition_calls() == []

@@ -1,0 +1,173 @@
+"""A worker's place in a static tensor-parallel instance ([[tensor_parallel]] in the config; README "Elastic tensor
+parallelism (Gyges)"): the shard it loads, the rendezvous with the other members, and its role while it serves.
+
+Rank 0 is the instance: a worker like any other to the dispatcher and the monitor (its reports carry the instance's
+KV), whose engine hands every forward's plan to the others (shared/engine/tensor_parallel.py) and keeps an idle
+instance's followers alive with heartbeats on its engine thread. A follower runs rank 0's steps on its own thread and
+takes no requests: it reports itself not serving, like a later stage of a pipeline group. Neither takes part in a
+parameter drop, a restore or a migration, and neither runs layer-wise preemption safepoints or KV checkpoints: each
+of those would act on one member's shard alone.
+
+When the instance breaks (a member died or hangs) every member stops serving and exits with EXIT_BROKEN, so a
+supervisor starts all of them again and they meet at a fresh rendezvous; rank 0's requests end as lost on the way,
+and the dispatcher resumes them elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from dataclasses import dataclass, field
+
+from kunserve.shared.config import ClusterConfig
+from kunserve.shared.engine.engine import InstanceBroken
+from kunserve.shared.engine.loop import EngineLoop, EngineStopped
+from kunserve.shared.engine.pooled import PooledInstance
+from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader, check_same_blocks
+from kunserve.shared.log import get_logger
+from kunserve.shared.model.tp_shard import sharded_source
+from kunserve.shared.model.weights import ModelSource
+
+EXIT_BROKEN = 3  # the worker's exit status after its tensor-parallel instance broke
+
+
+@dataclass
+class TPMembership:
+    """This worker's rank in tensor_parallel[index] (a degree of 2 or 4)."""
+
+    index: int
+    rank: int
+    members: tuple[str, ...]
+    host: str  # rank 0's host: the rendezvous store
+    port: int
+    timeout_s: float
+    rendezvous_timeout_s: float
+    group: TPGroup | None = None
+    leader: TPLeader | None = None
+    follower: TPFollower | None = None
+    exited_broken: bool = False
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def degree(self) -> int:
+        return len(self.members)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def where(self) -> str:
+        return f"tensor_parallel[{self.index}]"
+
+    def describe(self) -> str:
+        return f"rank {self.rank} of tensor-parallel instance {self.members[0]} (TP{self.degree}: {', '.join(self.members)})"
+
+    # -- start-up --------------------------------------------------------------------------------------------
+    def shard(self, source: ModelSource) -> ModelSource:
+        """The model as this rank holds it (ValueError naming the section when the degree does not fit)."""
+        try:
+            return sharded_source(source, self.rank, self.degree)
+        except ValueError as exc:
+            raise ValueError(f"{self.where}: {exc}") from None
+
+    def join(self, instance: PooledInstance, device: str, threads: int) -> None:
+        """Meet the other members (blocks until all arrive, up to rendezvous_timeout_s), check that every member has
+        the same KV blocks, and take this rank's role on the instance's engine. Raises ValueError / RuntimeError."""
+        if self.port == 0:
+            raise ValueError(
+                f"{self.where}.port is 0: set the rendezvous port on {self.members[0]}'s host (the local launcher picks a free one)"
+            )
+        engine = instance.engine
+        self.group = TPGroup(
+            self.rank,
+            self.degree,
+            self.host,
+            self.port,
+            timeout_s=self.timeout_s,
+            rendezvous_timeout_s=self.rendezvous_timeout_s,
+            device=device,
+        )
+        try:
+            check_same_blocks(self.group, engine.allocator.num_blocks)
+        except (ValueError, InstanceBroken):
+            self.group.close()
+            raise
+        if self.is_leader:
+            self.leader = TPLeader(self.group)
+            self.leader.attach(engine)
+        else:
+            self.follower = TPFollower(self.group, engine, threads)
+
+    # -- serving ---------------------------------------------------------------------------------------------
+    def broken(self, engine_loop: EngineLoop) -> str | None:
+        """Why this member can no longer serve (None: it can)."""
+        if self.group is not None and self.group.broken is not None:
+            return self.group.broken
+        if self.follower is not None and self.follower.error is not None:
+            return self.follower.error
+        if isinstance(engine_loop.error, InstanceBroken):
+            return str(engine_loop.error)
+        return None
+
+    def start(self, engine_loop: EngineLoop) -> None:
+        """On the worker's event loop once it serves: the follower's thread, rank 0's heartbeats, and the watch that
+        ends the process when the instance breaks."""
+        if self.follower is not None:
+            self.follower.start()
+        if self.leader is not None:
+            self._tasks.append(asyncio.create_task(self._heartbeats(engine_loop, self.leader)))
+        self._tasks.append(asyncio.create_task(self._watch(engine_loop)))
+
+    async def _heartbeats(self, engine_loop: EngineLoop, leader: TPLeader) -> None:
+        """Between iterations (the engine thread owns the group), a BEAT whenever nothing went out for a while."""
+        while True:
+            await asyncio.sleep(leader.beat_every_s / 2)
+            try:
+                await asyncio.wrap_future(engine_loop.call(lambda _engine: leader.heartbeat()))
+            except (InstanceBroken, EngineStopped):
+                return  # _watch sees it
+
+    async def _watch(self, engine_loop: EngineLoop, interval_s: float = 0.2) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            why = self.broken(engine_loop)
+            if why is not None:
+                get_logger().error("tensor_parallel_instance_broken", role=self.describe(), error=why, exit_status=EXIT_BROKEN)
+                self.exited_broken = True
+                os.kill(os.getpid(), signal.SIGTERM)  # the service's graceful stop; main() exits with EXIT_BROKEN
+                return
+
+    def cancel_tasks(self) -> None:
+        """At shutdown, on the event loop: no more heartbeats or watching."""
+        for t in self._tasks:
+            t.cancel()
+
+    def close(self, engine_loop: EngineLoop) -> None:
+        """At shutdown, after the engine loop stopped (off the event loop: it may wait): rank 0 ends the followers'
+        loops (STOP); a follower waits a little for its loop to see it. Then the process groups go."""
+        if self.group is None:
+            return
+        if self.leader is not None and not engine_loop.running:
+            self.leader.stop()
+        if self.follower is not None and not self.follower.join(2.0):
+            return  # still blocked in a receive: the process exits around it
+        self.group.close()
+
+
+def membership_of(cfg: ClusterConfig, worker_id: str) -> TPMembership | None:
+    """This worker's tensor-parallel membership; None when it is in no instance of degree > 1."""
+    found = cfg.tensor_parallel_of(worker_id)
+    if found is None or found[1].degree < 2:
+        return None
+    index, tp = found
+    return TPMembership(
+        index,
+        tp.members.index(worker_id),
+        tuple(tp.members),
+        cfg.worker(tp.members[0]).host,
+        tp.port,
+        tp.timeout_s,
+        tp.rendezvous_timeout_s,
+    )

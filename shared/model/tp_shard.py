@@ -1,0 +1,118 @@
+"""Megatron-style tensor-parallel shards of a Llama / Qwen2 model (Gyges §2: TP splits the heads and the MLP).
+
+Rank r of degree d holds, in every layer:
+
+- q / k / v projections (and their biases): the rows of its heads, column-parallel. Query heads
+  [r*H/d, (r+1)*H/d) and KV heads [r*KVH/d, (r+1)*KVH/d): with grouped-query attention query head h reads KV head
+  h // (H/KVH), so an even split keeps every rank's query heads with their KV heads and the local ratio unchanged;
+- o_proj: the input columns of its query heads, row-parallel: its output is a partial sum;
+- gate / up: rows [r*I/d, (r+1)*I/d) of the intermediate dimension; down_proj: those input columns (a partial sum).
+
+Embeddings, norms and lm_head are replicated. The partial sums of o_proj and down_proj are summed across the ranks
+(all-reduce) before the residual add. o_proj's bias (Llama's attention_bias) is added once: rank 0 keeps it and the
+others hold zeros, so the sum carries it exactly once.
+
+A shard is an ordinary model to everything downstream: `shard_config` is the config of one rank's shard (local heads,
+local intermediate size), so the memory pool lays out only the shard's weights and a KV cache of the local KV heads
+(KV bytes per token divided by d), and the model runner computes it unchanged apart from the sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kunserve.shared.model.architecture import ModelConfig
+from kunserve.shared.model.weights import ModelSource, Weights
+from kunserve.shared.policy.elastic_tp import DEGREES as TP_DEGREES
+
+# per-layer HF tensors and how each splits: "rows" of its heads / intermediate slice, "cols" likewise (its input)
+_ROW_SPLIT_HEADS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_ROW_SPLIT_INTER = ("mlp.gate_proj", "mlp.up_proj")
+
+
+def degree_error(cfg: ModelConfig, degree: int) -> str | None:
+    """Why `cfg` cannot run at tensor-parallel `degree` (None: it can)."""
+    if degree not in TP_DEGREES:
+        return f"tensor-parallel degree must be one of {', '.join(map(str, TP_DEGREES))}, got {degree}"
+    for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads), ("intermediate size", cfg.intermediate_size)):
+        if n % degree:
+            return f"tensor-parallel degree {degree} does not divide the model's {n} {what} (every rank holds an equal share)"
+    return None
+
+
+def check_degree(cfg: ModelConfig, degree: int) -> None:
+    why = degree_error(cfg, degree)
+    if why is not None:
+        raise ValueError(why)
+
+
+def shard_config(cfg: ModelConfig, degree: int) -> ModelConfig:
+    """The config of one rank's shard (the same for every rank): local heads, local intermediate size."""
+    check_degree(cfg, degree)
+    if degree == 1:
+        return cfg
+    return cfg.replace(
+        num_heads=cfg.num_heads // degree,
+        num_kv_heads=cfg.num_kv_heads // degree,
+        intermediate_size=cfg.intermediate_size // degree,
+        head_dim=cfg.head_dim,
+    )
+
+
+def _rows(t: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
+    n = t.shape[0] // degree
+    return t[rank * n : (rank + 1) * n].contiguous()
+
+
+def _cols(t: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
+    n = t.shape[1] // degree
+    return t[:, rank * n : (rank + 1) * n].contiguous()
+
+
+def shard_tensor(name: str, t: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
+    """Rank `rank`'s part of the HF-named tensor `name` (the whole tensor when it is replicated)."""
+    if degree == 1:
+        return t
+    if not name.startswith("model.layers."):
+        return t  # embeddings, final norm, lm_head
+    if any(f".{p}." in name for p in _ROW_SPLIT_HEADS + _ROW_SPLIT_INTER):
+        return _rows(t, rank, degree)  # weights [out, in] and biases [out] alike
+    if name.endswith("self_attn.o_proj.weight") or name.endswith("mlp.down_proj.weight"):
+        return _cols(t, rank, degree)
+    if name.endswith("self_attn.o_proj.bias"):
+        return t if rank == 0 else torch.zeros_like(t)
+    return t  # layer norms
+
+
+def shard_weights(weights: Weights, rank: int, degree: int) -> Weights:
+    """Every tensor of an HF-named weight dict, as rank `rank` of `degree` holds it."""
+    if not 0 <= rank < degree:
+        raise ValueError(f"rank {rank} outside a tensor-parallel group of {degree}")
+    return {name: shard_tensor(name, t, rank, degree) for name, t in weights.items()}
+
+
+@dataclass
+class ShardedModelSource(ModelSource):
+    """A model source whose weights are one rank's shard and whose config is the shard's (`shard_config`): what a
+    tensor-parallel member's memory pool and engine are built from. `full` is the whole model's source."""
+
+    full: ModelSource | None = None
+    rank: int = 0
+    degree: int = 1
+
+    def load_weights(self, layer_range: tuple[int, int] | None = None) -> Weights:
+        assert self.full is not None
+        return shard_weights(self.full.load_weights(layer_range), self.rank, self.degree)
+
+
+def sharded_source(source: ModelSource, rank: int, degree: int) -> ShardedModelSource:
+    """Rank `rank` of `degree`'s view of `source` (ValueError when the degree does not fit the model). Its name tells
+    the shard apart from the whole model (cost-model profiles are kept per name)."""
+    cfg = shard_config(source.config, degree)
+    if not 0 <= rank < degree:
+        raise ValueError(f"rank {rank} outside a tensor-parallel group of {degree}")
+    return ShardedModelSource(
+        f"{source.name}@tp{degree}", cfg, source.path, source.seed, source.tokenizer, full=source, rank=rank, degree=degree
+    )
