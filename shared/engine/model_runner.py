@@ -215,8 +215,11 @@ class ModelRunner:
                 k = qkv[:, nq:nq + nkv].view(T, nkvh, hd)
                 v = qkv[:, nq + nkv:].view(T, nkvh, hd)
                 o = self.attention.forward(q, k, v, cache, meta, kv_written=True)
-                h = cpu_kernels.add_rms_norm(x, L.o(o.reshape(T, nq)), L.ln2, cfg.rms_norm_eps)  # x += o
-                x += L.down(cpu_kernels.silu_mul(L.gate_up(h)))
+                a = L.o(o.reshape(T, nq))
+                h = cpu_kernels.add_rms_norm(x, a if self.reduce is None else self.reduce(a), L.ln2,
+                                             cfg.rms_norm_eps)  # x += a
+                m = L.down(cpu_kernels.silu_mul(L.gate_up(h)))
+                x += m if self.reduce is None else self.reduce(m)
                 continue
             # rotate q and k heads in one go: [T, H + KVH, d]
             qk = self._rotate(qkv[:, : nq + nkv].view(T, nh + nkvh, hd), cos, sin)
