@@ -87,7 +87,9 @@ void kunserve_linear_panels(int M, int N, int K, const float *A, long lda, const
                             int nthreads) {
     int npanels = (N + NR - 1) / NR;
     if ((long)M * N * K < PARALLEL_MIN_WORK) nthreads = 1;
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    /* dynamic: a team thread the OS has descheduled (cores shared with other processes) holds up one panel,
+       not a static half of them */
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1)
     for (int jp = 0; jp < npanels; jp++) {
         const float *bp = B + (long)jp * K * NR;
         int nv = N - jp * NR < NR ? N - jp * NR : NR;
@@ -166,7 +168,7 @@ int kunserve_decode_attention(int B, int H, int KVH, int D, int bs, const float 
         long stride_s = max_ctx + 16;
         float *s = (float *)malloc(sizeof(float) * (size_t)G * stride_s);
         const float **rows = (const float **)malloc(sizeof(float *) * (size_t)stride_s);
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 1)
         for (int bh = 0; bh < B * KVH; bh++) {
             int b = bh / KVH, h = bh % KVH, n = (int)ctx[b];
             const float *qb = q + (long)b * q_stride + (long)h * G * D;
