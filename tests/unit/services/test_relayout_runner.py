@@ -232,10 +232,13 @@ class Requests:
                 return
 
     async def until_each_has(self, n: int) -> None:
-        """Every request has at least n tokens and none has finished. A worker whose requests all have n already
-        is held (paused) until the others catch up: on a loaded machine one engine thread can otherwise finish
-        its requests before another has produced n tokens."""
-        held: list[str] = []
+        """Every request has at least n tokens and none has finished. A worker whose requests all have n
+        already is held (paused) until the others catch up: on a loaded machine one engine thread can otherwise
+        finish its requests before another has produced n tokens. Only whole instances and group heads are held
+        (pausing a later stage stalls its head's requests), and the decision is made again at every poll, because `where`
+        follows a moved request only once its stream has delivered the move: a worker held on a stale view is
+        released as soon as a request that still needs tokens is seen on it."""
+        held: set[str] = set()
         try:
             for _ in range(6000):
                 for task in self.tasks:
@@ -246,9 +249,15 @@ class Requests:
                     return
                 for wid, w in self.workers.items():
                     mine = [rid for rid, at in self.where.items() if at == wid]
-                    if mine and not w.loop.paused and all(len(self.tokens[rid]) >= n for rid in mine):
+                    role = w.runner.role
+                    hold = ((role is None or role.is_head) and not w.runner.transitioning and bool(mine)
+                            and all(len(self.tokens[rid]) >= n for rid in mine))
+                    if hold and wid not in held and not w.loop.paused:
                         w.loop.pause()
-                        held.append(wid)
+                        held.add(wid)
+                    elif not hold and wid in held:
+                        w.loop.resume()
+                        held.discard(wid)
                 await asyncio.sleep(0.01)
             pytest.fail(f"requests never reached {n} tokens: {[len(t) for t in self.tokens.values()]}")
         finally:
