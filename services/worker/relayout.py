@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from kunserve.shared.engine.api import SeqSnapshot, TokenEvent
-from kunserve.shared.engine.engine import Engine
+from kunserve.shared.engine.engine import Engine, GroupBroken
 from kunserve.shared.engine.kv_landing import KVLanding
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
@@ -255,7 +255,13 @@ class TransitionRunner:
         self.engine_loop.pause()
         try:
             def quiesce(engine: Engine) -> tuple[list[SeqSnapshot], int, int]:
-                for ev in engine.drain_inflight():
+                try:
+                    drained = engine.drain_inflight()
+                except GroupBroken as exc:  # the tokens sampled before the break are delivered all the same
+                    for ev in exc.events:
+                        self.engine_loop.emit(ev)
+                    raise
+                for ev in drained:
                     self.engine_loop.emit(ev)
                 return engine.snapshot(), self.instance.capacity_for(*new.range), self._staging_bytes(engine)
 

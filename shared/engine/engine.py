@@ -53,7 +53,15 @@ __all__ = ["Engine", "SchedulerConfig", "PipelineLink", "GroupBroken", "Instance
 
 
 class GroupBroken(RuntimeError):
-    """A pipeline stage of this head's group is gone (or timed out); the worker heals to a whole instance."""
+    """A pipeline stage of this head's group is gone (or timed out); the worker heals to a whole instance.
+
+    `events`: the tokens the raising call sampled before it noticed the break (results of earlier microbatches
+    taken in the same call). Their requests' `generated` holds them already, so the heal's recompute goes on
+    after them: whoever catches this delivers them, or each such request skips a token."""
+
+    def __init__(self, message: str, events: Iterable[TokenEvent] = ()) -> None:
+        super().__init__(message)
+        self.events: list[TokenEvent] = list(events)
 
 
 class InstanceBroken(RuntimeError):
@@ -576,7 +584,11 @@ class Engine:
         """Results of the microbatches in flight, oldest first; waits for the first one when block."""
         events: list[TokenEvent] = []
         while self._inflight:
-            logits = link.result(self._inflight[0].mb_id, block=block and not events)
+            try:
+                logits = link.result(self._inflight[0].mb_id, block=block and not events)
+            except GroupBroken as exc:
+                exc.events[:0] = events
+                raise
             if logits is None:
                 break
             shipped = self._inflight.popleft()
@@ -769,8 +781,12 @@ class Engine:
     def drain_inflight(self) -> list[TokenEvent]:
         """Wait for every microbatch in flight (a transition starts from a quiet pipeline)."""
         events: list[TokenEvent] = []
-        while self._inflight and self.link is not None:
-            events.extend(self._collect(self.link, block=True))
+        try:
+            while self._inflight and self.link is not None:
+                events.extend(self._collect(self.link, block=True))
+        except GroupBroken as exc:
+            exc.events[:0] = events
+            raise
         return events
 
     def clear(self) -> None:

@@ -246,6 +246,8 @@ class EngineLoop:
                 try:
                     events = self.engine.step()
                 except GroupBroken as exc:
+                    for ev in exc.events:  # sampled before the break: the heal's recompute goes on after them
+                        self._emit(ev)
                     if self._group_broken is None:
                         raise
                     self.log.error("pipeline_group_broken", error=str(exc))

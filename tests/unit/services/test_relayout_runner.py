@@ -225,7 +225,7 @@ class Requests:
                 assert q is not None, f"{rid} moved to {item.worker_id}, which does not have it"
                 continue
             assert item.finish_reason in (FinishReason.NONE, FinishReason.LENGTH), item
-            assert item.index == len(self.tokens[rid]), (rid, item)
+            assert item.index == len(self.tokens[rid]), (rid, f"expected index {len(self.tokens[rid])}", item)
             self.tokens[rid].append(item.token_id)
             if item.finished:
                 w.streams.close(rid)
