@@ -179,14 +179,15 @@ def test_worker_dying_during_the_kv_exchange_rolls_back_and_loses_no_request(tmp
 def test_a_burst_that_overflows_kv_memory_drops_automatically(tmp_path):
     """The monitor sees head-of-line blocking on both instances, the memory manager merges them into one
     pipeline group, and once the group is ready every request of the burst runs: none waits for memory
-    the drop made available (whole instance: 128 blocks each; the pair: 640 blocks; burst: ~320)."""
+    the drop made available (whole instance: 128 blocks each; the pair: 640 blocks; burst: ~450, decoding long
+    enough that the monitor's drop lands while it runs, however fast the engine)."""
     cfg = make_config(2, pool_mib=36, auto_drop=True)
     cfg.monitor.restore_hold_s = 600.0  # no restore during the test
     cfg.dispatcher.route_timeout_s = 60.0
     c = LocalCluster(cfg, run_dir=tmp_path)
     c.start(timeout_s=180)
     prompts = prompts_for(20, seed=5, lo=180, hi=220)
-    max_tokens = 48
+    max_tokens = 160
     try:
         async def go():
             from kunserve.v1 import worker_pb2_grpc

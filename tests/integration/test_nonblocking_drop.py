@@ -39,7 +39,7 @@ def test_a_new_request_runs_while_the_moved_requests_wait_for_their_kv(tmp_path)
     c = _cluster(tmp_path, env={DELAY_ENV: f"slow_landing:worker-1:{LANDING_DELAY_S}"})
     prompts = prompts_for(6, seed=11)
     fresh_prompt = prompts_for(1, seed=12)[0]
-    max_tokens = 200  # still decoding when the drop's Prepare snapshots them, however busy the machine
+    max_tokens = 400  # still decoding when the drop's Prepare snapshots them, however busy the machine
 
     async def go():
         progress: dict = {}
@@ -77,7 +77,7 @@ def test_a_member_dying_while_its_kv_is_in_flight_loses_no_request(tmp_path):
     re-prefills the requests it held; every request ends with the reference tokens."""
     c = _cluster(tmp_path, env={FAULT_ENV: "die_in_landing:worker-1"})
     prompts = prompts_for(6, seed=13)
-    max_tokens = 160
+    max_tokens = 400  # still decoding when the drop's Prepare snapshots them, however busy the machine
 
     async def go():
         progress: dict = {}
