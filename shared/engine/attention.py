@@ -199,6 +199,9 @@ class TorchPagedAttention:
         return o.squeeze(0).transpose(0, 1)
 
 
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+
+
 class FlashInferPagedAttention(TorchPagedAttention):  # pragma: no cover - needs a GPU and flashinfer
     """CUDA path (UNTESTED on CPU CI): FlashInfer's paged decode kernel over the same HND cache.
 
@@ -231,6 +234,8 @@ class FlashInferPagedAttention(TorchPagedAttention):  # pragma: no cover - needs
         self._planned_for = meta
 
     def _decode(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if q.dtype not in FLASHINFER_DTYPES:  # FlashInfer's kernels have no float32 instantiation
+            return super()._decode(q, cache, meta)
         if self._planned_for is not meta:
             self._plan(q, cache, meta)
         return self._decode_wrapper.run(q.contiguous(), cache)
