@@ -21,6 +21,22 @@ from kunserve.shared.model.weights import Weights, random_weights
 
 NEAR_TIE = 1e-3  # DESIGN.md: compare greedy tokens where the reference's top-2 margin is clear
 
+# 8 heads / 4 KV heads so TP4 splits the KV heads too; Llama's attention_bias puts biases on q/k/v and o_proj.
+TP4_CONFIG = ModelConfig(
+    vocab_size=512,
+    hidden_size=128,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    intermediate_size=256,
+    head_dim=16,
+    qkv_bias=True,
+    o_bias=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    name="tp-test",
+)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+from engine_testing import TP4_CONFIG
 from oracle import compare_greedy
 
 from kunserve.shared.engine.api import EngineRequest, FinishReason, SamplingParams, TokenEvent
@@ -28,20 +29,6 @@ from kunserve.shared.model.tp_shard import sharded_source
 from kunserve.shared.model.weights import ModelSource, load_model_source
 
 MIB = 1 << 20
-KV4 = ModelConfig(
-    vocab_size=512,
-    hidden_size=128,
-    num_layers=2,
-    num_heads=8,
-    num_kv_heads=4,
-    intermediate_size=256,
-    head_dim=16,
-    qkv_bias=True,
-    o_bias=True,
-    bos_token_id=1,
-    eos_token_id=2,
-    name="tp4-test",
-)
 SCHED = SchedulerConfig(max_num_batched_tokens=32)  # the longer prompts prefill in chunks beside decodes
 PROMPTS = [[5, 6, 7, 8, 9], list(range(40, 80)), list(range(100, 170))]
 MAX_TOKENS = 6
@@ -121,7 +108,7 @@ def whole_instance(cfg: ModelConfig | None) -> tuple[dict[str, list[int]], dict]
         inst.close()
 
 
-@pytest.mark.parametrize("cfg,degree", [(None, 2), (KV4, 4)], ids=["tiny-tp2", "kv4-tp4"])
+@pytest.mark.parametrize("cfg,degree", [(None, 2), (TP4_CONFIG, 4)], ids=["tiny-tp2", "kv4-tp4"])
 def test_tp_instance_tokens_equal_tp1_and_the_reference(cfg, degree, tmp_path):
     spawn(serve_rank, degree, degree, free_port(), cfg, str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(degree)]

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from engine_testing import TP4_CONFIG
 
 from kunserve.shared.engine.attention import build_metadata
 from kunserve.shared.engine.kv_storage import TorchKVStorage
@@ -19,21 +20,6 @@ from kunserve.shared.model.pool_placement import build_model_layout
 from kunserve.shared.model.tp_shard import check_degree, degree_error, shard_config, shard_weights, sharded_source
 from kunserve.shared.model.weights import ModelSource, random_weights
 
-# 8 heads / 4 KV heads so TP4 splits the KV heads too; Llama's attention_bias puts biases on q/k/v and o_proj.
-BIASED = ModelConfig(
-    vocab_size=512,
-    hidden_size=128,
-    num_layers=2,
-    num_heads=8,
-    num_kv_heads=4,
-    intermediate_size=256,
-    head_dim=16,
-    qkv_bias=True,
-    o_bias=True,
-    bos_token_id=1,
-    eos_token_id=2,
-    name="tp-test",
-)
 BS = 4
 
 
@@ -96,7 +82,7 @@ def prefill_then_decode(prompt: list[int], next_token: int):
     return [(torch.tensor(prompt), torch.arange(n), pre, torch.tensor([n - 1])), (torch.tensor([next_token]), torch.tensor([n]), dec, None)]
 
 
-@pytest.mark.parametrize("cfg,degree", [(TINY_CONFIG, 2), (BIASED, 2), (BIASED, 4)])
+@pytest.mark.parametrize("cfg,degree", [(TINY_CONFIG, 2), (TP4_CONFIG, 2), (TP4_CONFIG, 4)])
 def test_sharded_forward_equals_the_whole_model(cfg, degree):
     torch.set_num_threads(1)
     w = random_weights(cfg, seed=3)
@@ -111,7 +97,7 @@ def test_sharded_forward_equals_the_whole_model(cfg, degree):
 
 
 def test_shard_shapes_and_replication():
-    w = random_weights(BIASED, seed=0)
+    w = random_weights(TP4_CONFIG, seed=0)
     s1 = shard_weights(w, 1, 4)
     p = "model.layers.0."
     assert s1[p + "self_attn.q_proj.weight"].shape == (2 * 16, 128)  # 2 of 8 query heads
