@@ -1,0 +1,34 @@
+"""bench/tp.py's padding arithmetic on a shape worked by hand: Qwen2.5-14B (hidden 5120, intermediate 13824, bf16)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+from kunserve.sim.shapes import load_model_config
+
+MIB = 1 << 20
+
+
+def _bench():
+    path = pathlib.Path(__file__).resolve().parents[3] / "bench" / "tp.py"
+    spec = importlib.util.spec_from_file_location("bench_tp", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_qwen14b_gaps_and_released_pages_at_2mib():
+    row = _bench().padding_row(load_model_config("qwen2.5-14b", dtype="bfloat16"), 2 * MIB)
+    # a shard is 3456 rows x 5120 x 2 B = 33.75 MiB -> 34 MiB: a quarter page of gap, 4 shards, 3 matrices
+    assert row["gap_bytes_per_layer"] == 3 * 4 * MIB // 4
+    # Eq. 2 rows: 10,240-byte rows come in whole pages every 1,024 rows -> 3456 rows padded to 4096
+    assert row["eq2_row_bytes_per_layer"] == 3 * 4 * 640 * 10240
+    # TP1 -> TP2 releases 2 of 4 shards (17 pages each) of each matrix; TP1 -> TP4 three of them
+    assert (row["released_pages_tp2"], row["released_pages_tp4"]) == (3 * 2 * 17, 3 * 3 * 17)
+
+
+def test_a_shape_whose_shards_fill_whole_pages_has_no_gap():
+    row = _bench().padding_row(load_model_config("llama-3.1-8b", dtype="bfloat16"), 2 * MIB)
+    assert row["gap_bytes_per_layer"] == 0 and row["gap_share_of_mlp"] == 0.0
