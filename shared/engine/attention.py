@@ -1,7 +1,9 @@
 """Attention over the paged, head-major KV cache.
 
 The cache of one layer is `[num_blocks, 2, num_kv_heads, block_size, head_dim]` (FlashInfer's HND
-layout, K then V inside each block). Every backend implements `Attention.forward(q, k, v, cache,
+layout, K then V inside each block), a strided view of blocks laid out header-centric in memory
+(`[num_kv_heads, 2, block_size, head_dim]`, shared/memory/kv_layout.py): the code here indexes through the
+view and never assumes it is contiguous. Every backend implements `Attention.forward(q, k, v, cache,
 meta)`: write the new tokens' K/V into their slots, then attend.
 
 `TorchPagedAttention` is the CPU path and a fallback on any device:
@@ -233,12 +235,19 @@ class FlashInferPagedAttention(TorchPagedAttention):  # pragma: no cover - needs
                                   pos_encoding_mode="NONE", q_data_type=q.dtype, kv_data_type=cache.dtype)
         self._planned_for = meta
 
+    @staticmethod
+    def paged_kv(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache as FlashInfer's (K, V) pair of `[blocks, kv_heads, block_size, head_dim]` HND tensors: strided
+        views (the header-centric block puts a head's V right after its K), which FlashInfer's paged kernels read
+        through their page / head / token strides."""
+        return cache[:, 0], cache[:, 1]
+
     def _decode(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if q.dtype not in FLASHINFER_DTYPES:  # FlashInfer's kernels have no float32 instantiation
             return super()._decode(q, cache, meta)
         if self._planned_for is not meta:
             self._plan(q, cache, meta)
-        return self._decode_wrapper.run(q.contiguous(), cache)
+        return self._decode_wrapper.run(q.contiguous(), self.paged_kv(cache))
 
 
 def make_attention(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str) -> Attention:

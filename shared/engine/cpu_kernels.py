@@ -145,14 +145,15 @@ static inline __m512 sum16(const __m512 *a) {
 /* Decode attention straight over the paged cache (no gather): for every sequence b and query head
    i = h * G + g (G = H / KVH query heads per KV head h), out[b, i] = softmax(scale * q[b, i] . K_t) V_t over
    the first ctx[b] tokens t of the sequence, token t living in block tables[b, t / bs] at offset t % bs.
-   cache: [blocks, 2, KVH, bs, D] (K then V per block); q rows b at q + b * q_stride, heads D apart;
-   D % 16 == 0, D <= 256. Scores go through a per-thread buffer; V is accumulated four query heads at a time
-   in registers. */
+   cache: [blocks, 2, KVH, bs, D] (K then V) by its strides in floats: block_stride, kv_stride (K to V),
+   head_stride, tokens D apart (any physical order of block, K/V and head: the pool's is header-centric);
+   q rows b at q + b * q_stride, heads D apart; D % 16 == 0, D <= 256. Scores go through a per-thread buffer;
+   V is accumulated four query heads at a time in registers. */
 int kunserve_decode_attention(int B, int H, int KVH, int D, int bs, const float *q, long q_stride,
-                              const float *cache, long num_blocks, const int64_t *tables, int table_width,
-                              const int64_t *ctx, float *out, float scale, int nthreads) {
+                              const float *cache, long num_blocks, long block_stride, long kv_stride,
+                              long head_stride, const int64_t *tables, int table_width, const int64_t *ctx,
+                              float *out, float scale, int nthreads) {
     int G = H / KVH, nv = D / 16;
-    long head_stride = (long)bs * D, block_stride = 2L * KVH * head_stride;
     int max_ctx = 1;
     long work = 0;
     for (int b = 0; b < B; b++) {
@@ -173,7 +174,7 @@ int kunserve_decode_attention(int B, int H, int KVH, int D, int bs, const float 
             int b = bh / KVH, h = bh % KVH, n = (int)ctx[b];
             const float *qb = q + (long)b * q_stride + (long)h * G * D;
             const int64_t *table = tables + (long)b * table_width;
-            for (int t = 0, o = 0, j = 0; t < n; t++) {  /* where each token's K row is (its V row: + KVH heads) */
+            for (int t = 0, o = 0, j = 0; t < n; t++) {  /* where each token's K row is (its V row: + kv_stride) */
                 rows[t] = cache + table[j] * block_stride + (long)h * head_stride + (long)o * D;
                 if (++o == bs) { o = 0; j++; }
             }
@@ -213,7 +214,7 @@ int kunserve_decode_attention(int B, int H, int KVH, int D, int bs, const float 
                 __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
                 for (t = 0; t < n; t += 16) _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
             }
-            long v_off = (long)KVH * head_stride;
+            long v_off = kv_stride;
             for (int g0 = 0; g0 < G; g0 += 4) {
                 int gn = G - g0 < 4 ? G - g0 : 4;
                 for (int v0 = 0; v0 < nv; v0 += 4) {
@@ -270,18 +271,18 @@ void kunserve_silu_mul(int T, int I, const float *gu, long ld, float *out) {
 
 /* RoPE on the q and k heads of each row of qkv [T, (H + 2 KVH) * D] in place (x * cos + rotate_half(x) * sin,
    two products and a sum, as transformers computes it; cos / sin rows [D] of the token's position), then the
-   token's k and v heads into its cache slot: cache[blk, 0, h, off] = k_h, cache[blk, 1, h, off] = v_h.
-   D % 32 == 0. */
+   token's k and v heads into its cache slot: cache[blk, 0, h, off] = k_h, cache[blk, 1, h, off] = v_h, the cache
+   addressed by its strides in floats as in kunserve_decode_attention. D % 32 == 0. */
 int kunserve_rope_store(int T, int H, int KVH, int D, const float *cos_tab, const float *sin_tab, long max_pos,
                         const int64_t *positions, float *qkv, long ld, float *cache, long num_blocks, int bs,
-                        const int64_t *slot_blocks, const int64_t *slot_offsets) {
+                        long block_stride, long kv_stride, long head_stride, const int64_t *slot_blocks,
+                        const int64_t *slot_offsets) {
     for (int t = 0; t < T; t++) {
         if (positions[t] < 0 || positions[t] >= max_pos) return -1;
         if (slot_blocks[t] < 0 || slot_blocks[t] >= num_blocks || slot_offsets[t] < 0 || slot_offsets[t] >= bs)
             return -2;
     }
     int half = D / 2;
-    long head_stride = (long)bs * D, block_stride = 2L * KVH * head_stride;
     for (int t = 0; t < T; t++) {
         const float *c = cos_tab + positions[t] * D, *sn = sin_tab + positions[t] * D;
         float *row = qkv + (long)t * ld;
@@ -300,7 +301,7 @@ int kunserve_rope_store(int T, int H, int KVH, int D, const float *cos_tab, cons
         float *dst = cache + slot_blocks[t] * block_stride + slot_offsets[t] * D;
         for (int h = 0; h < KVH; h++) {
             memcpy(dst + (long)h * head_stride, row + (long)(H + h) * D, sizeof(float) * D);
-            memcpy(dst + (long)(KVH + h) * head_stride, row + (long)(H + KVH + h) * D, sizeof(float) * D);
+            memcpy(dst + kv_stride + (long)h * head_stride, row + (long)(H + KVH + h) * D, sizeof(float) * D);
         }
     }
     return 0;
@@ -393,15 +394,16 @@ def _build() -> ctypes.CDLL:
                    ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     fn.restype = None
     att = lib.kunserve_decode_attention
-    att.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
-                                         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
-                                         ctypes.c_int]
+    att.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                                         ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                         ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
     att.restype = ctypes.c_int
     lib.kunserve_silu_mul.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
     lib.kunserve_silu_mul.restype = None
     lib.kunserve_rope_store.argtypes = ([ctypes.c_int] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_long]
                                         + [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
-                                                                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p])
+                                                                   ctypes.c_int] + [ctypes.c_long] * 3
+                                        + [ctypes.c_void_p, ctypes.c_void_p])
     lib.kunserve_rope_store.restype = ctypes.c_int
     lib.kunserve_add_rms_norm.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                           ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
@@ -464,19 +466,31 @@ def linear_torch(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tens
     return y.contiguous()
 
 
+def _token_rows_contiguous(cache: torch.Tensor) -> bool:
+    """Whether a cache view `[blocks, 2, heads, block_size, head_dim]` has each block's tokens of one head as
+    contiguous rows (what the kernels' address math assumes; block, K/V and head strides are passed)."""
+    return cache.dim() == 5 and cache.stride(4) == 1 and cache.stride(3) == cache.shape[4]
+
+
+def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block, K-to-V, head) strides of a cache view, in elements."""
+    return cache.stride(0), cache.stride(1), cache.stride(2)
+
+
 def decode_attention_supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether `decode_attention` runs the compiled kernel for these tensors (float32 CPU, head_dim a multiple
     of 16 up to 256)."""
     return (q.device.type == "cpu" and q.dtype == torch.float32 and cache.dtype == torch.float32
-            and cache.is_contiguous() and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and q.stride(-1) == 1
+            and _token_rows_contiguous(cache) and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and q.stride(-1) == 1
             and q.stride(-2) == q.shape[-1] and _library() is not None)
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """One query token per sequence over the paged cache, read in place: q [B, H, D] (rows may be strided, heads
-    contiguous), cache [blocks, 2, KVH, block_size, D], block_tables [B, width] int64, context_lens [B] int64
-    (>= 1). Returns [B, H, D]. Callers check `decode_attention_supported` first."""
+    contiguous), cache [blocks, 2, KVH, block_size, D] (any block / K-V / head strides, e.g. the header-centric
+    pool's view), block_tables [B, width] int64, context_lens [B] int64 (>= 1). Returns [B, H, D]. Callers check
+    `decode_attention_supported` first."""
     lib = _library()
     assert lib is not None
     b, h, d = q.shape
@@ -486,8 +500,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     out = torch.empty(b, h, d, dtype=torch.float32)
     if b:
         rc = lib.kunserve_decode_attention(b, h, kvh, d, bs, q.data_ptr(), q.stride(0), cache.data_ptr(), cache.shape[0],
-                                           tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), scale,
-                                           torch.get_num_threads())
+                                           *_cache_strides(cache), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+                                           out.data_ptr(), scale, torch.get_num_threads())
         if rc == -1:
             raise IndexError(f"a context length is outside [1, {tables.shape[1] * bs}] (the block table's width)")
         if rc:
@@ -514,14 +528,14 @@ def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos:
                positions: torch.Tensor, cache: torch.Tensor, slot_blocks: torch.Tensor,
                slot_offsets: torch.Tensor) -> None:
     """In place on qkv [T, (heads + 2 kv_heads) * head_dim]: RoPE on the q and k heads (cos / sin [max_pos, head_dim]
-    tables, positions [T] int64), then each token's k and v heads into cache [blocks, 2, kv_heads, bs, head_dim] at
-    (slot_blocks[t], slot_offsets[t])."""
+    tables, positions [T] int64), then each token's k and v heads into cache [blocks, 2, kv_heads, bs, head_dim] (any
+    block / K-V / head strides) at (slot_blocks[t], slot_offsets[t])."""
     lib = _library()
-    assert lib is not None and qkv.stride(1) == 1 and cache.is_contiguous() and cos.is_contiguous()
+    assert lib is not None and qkv.stride(1) == 1 and _token_rows_contiguous(cache) and cos.is_contiguous()
     blocks, offsets = slot_blocks.contiguous(), slot_offsets.contiguous()
     rc = lib.kunserve_rope_store(qkv.shape[0], heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
                                  positions.data_ptr(), qkv.data_ptr(), qkv.stride(0), cache.data_ptr(), cache.shape[0],
-                                 cache.shape[3], blocks.data_ptr(), offsets.data_ptr())
+                                 cache.shape[3], *_cache_strides(cache), blocks.data_ptr(), offsets.data_ptr())
     if rc == -1:
         raise IndexError(f"a position is outside the RoPE tables' {cos.shape[0]} positions")
     if rc:

@@ -1,5 +1,7 @@
 """Paged KV storage: per local layer one tensor [num_blocks, 2, num_kv_heads, block_size, head_dim]
-(head-major blocks, FlashInfer's HND layout). Which blocks hold what is `kv_blocks`' bookkeeping.
+(FlashInfer's HND layout with K/V second), a strided view over blocks laid out header-centric in memory,
+`[num_kv_heads, 2, block_size, head_dim]` (`shared/memory/kv_layout.py`). Which blocks hold what is
+`kv_blocks`' bookkeeping.
 
 Storage is pluggable: `TorchKVStorage` allocates plain tensors; the unified memory pool's
 `LayerMemoryLayout` satisfies the same protocol and can grow or shrink num_blocks at runtime, so the
@@ -12,6 +14,8 @@ from collections.abc import Iterable
 from typing import Protocol
 
 import torch
+
+from kunserve.shared.memory import kv_layout
 
 
 class KVStorage(Protocol):
@@ -26,12 +30,12 @@ class KVStorage(Protocol):
 
 
 class TorchKVStorage:
-    """KV tensors allocated by torch (no remapping)."""
+    """KV tensors allocated by torch (no remapping), header-centric like the pool's."""
 
     def __init__(self, layers: Iterable[int], num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
         self._num_blocks = num_blocks
-        self._caches = {layer: torch.zeros(num_blocks, 2, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+        self._caches = {layer: kv_layout.allocate(num_blocks, num_kv_heads, block_size, head_dim, dtype, device)
                         for layer in layers}
 
     @property
@@ -40,3 +44,18 @@ class TorchKVStorage:
 
     def layer_cache(self, layer: int) -> torch.Tensor:
         return self._caches[layer]
+
+    def split_kv_heads(self, degree: int) -> None:
+        """Read every layer's blocks at `num_kv_heads / degree` heads, in place (as `LayerMemoryLayout.split_kv_heads`):
+        the heads of rank r of block b become block `b * degree + r`, at the same bytes."""
+        first = next(iter(self._caches.values()), None)
+        if first is None:
+            return
+        heads = first.shape[2]
+        if degree < 1 or heads % degree:
+            raise ValueError(f"degree {degree} does not divide the {heads} KV heads per block")
+        for layer, cache in self._caches.items():
+            phys = kv_layout.physical_view(cache)
+            self._caches[layer] = kv_layout.logical_view(phys.view(phys.shape[0] * degree, heads // degree,
+                                                                   *phys.shape[2:]))
+        self._num_blocks *= degree

@@ -4,7 +4,9 @@
   `HostPagePool` (host.py, memfd) and `CudaPagePool` (cuda.py, CUDA VMM via cuda-python, imported
   lazily). `create_pool` / `select_backend` pick one.
 - `LayerMemoryLayout` (layout.py): one worker's layer range — per-layer weight arenas, weight groups,
-  one KV range per layer; `drop_layers` / `restore_layers` / compaction / `memory_map`.
+  one KV range per layer; `drop_layers` / `restore_layers` / compaction / `memory_map`; `split_kv_heads`.
+- `kv_layout.py`: the header-centric physical KV block and the kernels' permuted view of it (Gyges §4.1);
+  `kv_head_split.py`: the pure plan of a TP1 -> TP2/TP4 merge's in-place head split and phased exchange.
 
 Typical worker use::
 
@@ -27,6 +29,7 @@ from .errors import (
 )
 from .layer_memory import (
     CapacityPlan,
+    HeadSplitResult,
     KVCacheSpec,
     LayerMemoryLayout,
     RemapResult,
@@ -42,7 +45,7 @@ from .layer_memory import (
 from .pool import BACKENDS, DEFAULT_PAGE_SIZE, PagePool, VirtualRange, create_pool, cuda_available, select_backend
 
 __all__ = [
-    "BACKENDS", "DEFAULT_PAGE_SIZE", "BackendUnavailable", "CapacityPlan", "KVCacheSpec", "KVCapacityError",
+    "BACKENDS", "DEFAULT_PAGE_SIZE", "BackendUnavailable", "CapacityPlan", "HeadSplitResult", "KVCacheSpec", "KVCapacityError",
     "LayerMemoryLayout", "LayerRangeError", "MemoryPoolError", "OutOfPagesError", "PagePool", "RemapResult",
     "TensorSpec", "ViewStillAliveError", "VirtualRange", "WeightGroupSpec", "WeightSource", "WeightSourceError",
     "arena_pages", "create_pool", "cuda_available", "kv_capacity", "pack_tensors", "plan_compaction",

@@ -9,8 +9,9 @@ the pool:
 - the non-layer weights (embeddings, final norm, lm_head) as **weight groups**, each in its own
   arena; a group is held while the range touches the model end it belongs to (`held_with`);
 - the KV cache of each held layer as **one virtual range reserved at the size of the whole pool**,
-  with pages mapped only at its head. Kernels see one static tensor per layer,
-  `[num_blocks, 2, num_kv_heads, block_size, head_dim]` (FlashInfer HND, K then V per block).
+  with pages mapped only at its head. Blocks lie in it header-centric, `[num_kv_heads, 2, block_size, head_dim]`
+  (one head's K and V adjacent: kv_layout.py, Gyges §4.1); kernels see one static tensor per layer,
+  `[num_blocks, 2, num_kv_heads, block_size, head_dim]` (FlashInfer HND, K then V per block), a permuted view.
 
 Capacity rule. Every held layer gets the same number of KV pages,
 ``k = (total_pages - weight_pages) // held_layers``, and
@@ -43,6 +44,7 @@ kill the process on touch. The layout is not thread-safe: pause the step loop ar
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -51,6 +53,7 @@ from typing import Any, Literal
 
 import torch
 
+from . import kv_head_split, kv_layout
 from .errors import KVCapacityError, LayerRangeError, OutOfPagesError, WeightSourceError
 from .pool import PagePool, VirtualRange
 
@@ -97,7 +100,8 @@ class WeightGroupSpec:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Shape of one KV block: `[2, num_kv_heads, block_size, head_dim]` of `dtype` (head-major)."""
+    """One KV block: the kernels see `[2, num_kv_heads, block_size, head_dim]` of `dtype` (`block_shape`); in memory
+    it is `[num_kv_heads, 2, block_size, head_dim]` (`physical_block_shape`, header-centric: kv_layout.py)."""
 
     num_kv_heads: int
     head_dim: int
@@ -112,6 +116,15 @@ class KVCacheSpec:
     @property
     def block_shape(self) -> tuple[int, int, int, int]:
         return (2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def physical_block_shape(self) -> tuple[int, int, int, int]:
+        return kv_layout.physical_block_shape(self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head's K and V in a block: the contiguous unit a head split keeps or moves."""
+        return 2 * self.block_size * self.head_dim * _itemsize(self.dtype)
 
     @property
     def block_bytes(self) -> int:
@@ -150,6 +163,29 @@ class RemapResult:
     generation: int
     seconds: float
     fill_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class HeadSplitResult:
+    """What `split_kv_heads` did: the KV ranges read at `1/degree` of the heads per block, no page touched.
+
+    `kv_pages_before == kv_pages_after` (per layer) and `pages_mapped == pages_unmapped == 0`. With a plan,
+    `staging_bytes` is the extra memory the exchange needs per layer (one phase's staging) and `kv_major` what the
+    K/V-major layout would need for the same merge (reserved pages for every received sub-block, and a trim copy
+    of the kept heads)."""
+
+    degree: int
+    old_num_blocks: int
+    new_num_blocks: int
+    old_block_bytes: int
+    new_block_bytes: int
+    kv_pages_before: int
+    kv_pages_after: int
+    pages_mapped: int
+    pages_unmapped: int
+    generation: int
+    staging_bytes: int = 0
+    kv_major: kv_head_split.SplitCost | None = None
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -347,15 +383,16 @@ class LayerMemoryLayout:
     def layer_cache(self, layer: int) -> torch.Tensor:
         """KV tensor of a held layer: `[num_blocks, 2, num_kv_heads, block_size, head_dim]`.
 
-        Zero-copy over the mapped head of the layer's KV range; its `data_ptr()` never changes
-        while the layer is held. Re-fetch after every remap (`generation`): a tensor kept from
-        before a restore would block the restore (ViewStillAliveError).
+        Zero-copy over the mapped head of the layer's KV range, a permuted view of the header-centric
+        blocks (`kv_layout.logical_view`); its `data_ptr()` never changes while the layer is held.
+        Re-fetch after every remap (`generation`): a tensor kept from before a restore would block the
+        restore (ViewStillAliveError).
         """
         vr = self._kv_range(layer)
         t = self._kv_cache.get(layer)
         if t is None:
-            shape = (self.num_blocks, *self.kv_spec.block_shape)
-            t = self.pool.view(vr, 0, shape, self.kv_spec.dtype)
+            shape = (self.num_blocks, *self.kv_spec.physical_block_shape)
+            t = kv_layout.logical_view(self.pool.view(vr, 0, shape, self.kv_spec.dtype))
             self._kv_cache[layer] = t
         return t
 
@@ -718,8 +755,38 @@ class LayerMemoryLayout:
         dst_t = torch.tensor(dst, dtype=torch.long, device=dev)
         with torch.no_grad():
             for x in self.layers:
-                kv = self.layer_cache(x)
+                kv = kv_layout.physical_view(self.layer_cache(x))  # whole blocks: contiguous copies
                 kv.index_copy_(0, dst_t, kv.index_select(0, src_t))
+
+    # ------------------------------------------------------------------ tensor-parallel head split
+    def split_kv_heads(self, degree: int, plan: kv_head_split.HeadSplitPlan | None = None) -> HeadSplitResult:
+        """Read every held layer's KV range at `num_kv_heads / degree` heads per block, in place (Gyges §4.1.2).
+
+        The header-centric block (`kv_layout.py`) makes the heads of rank r of block b one byte range, which is
+        sub-block `b * degree + r` of the range read at the smaller block size: no page is mapped, unmapped or
+        copied, the base addresses stay, and `num_blocks` becomes at least `degree` times larger (sub-blocks of
+        `1/degree` the bytes; a tail too short for a whole block may now hold sub-blocks). Moving the heads
+        between members (`kv_head_split.plan_head_split`) is the caller's; give its `plan` to have its staging and
+        the K/V-major baseline reported. Re-fetch `layer_cache` afterwards (`generation` changes)."""
+        spec = self.kv_spec
+        if degree < 1 or spec.num_kv_heads % degree:
+            raise ValueError(f"degree {degree} does not divide the {spec.num_kv_heads} KV heads per block")
+        old_blocks = self.num_blocks
+        if plan is not None and (plan.degree != degree or plan.num_blocks != old_blocks
+                                 or plan.num_kv_heads != spec.num_kv_heads):
+            raise ValueError(f"the plan is for degree {plan.degree}, {plan.num_blocks} blocks of {plan.num_kv_heads} "
+                             f"heads; this layout has {old_blocks} blocks of {spec.num_kv_heads} heads (degree {degree})")
+        pages_before = self._k
+        self.kv_spec = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads // degree)
+        self._kv_cache.clear()
+        self.generation += 1
+        staging, baseline = 0, None
+        if plan is not None:
+            staging = kv_head_split.header_centric_split_cost(plan, spec.block_bytes).extra_bytes
+            baseline = kv_head_split.kv_major_split_cost([list(m) for m in plan.block_maps], spec.num_kv_heads,
+                                                         spec.block_bytes, self.pool.page_size)
+        return HeadSplitResult(degree, old_blocks, self.num_blocks, spec.block_bytes, self.kv_spec.block_bytes,
+                               pages_before, self._k, 0, 0, self.generation, staging, baseline)
 
     # ------------------------------------------------------------------ building blocks
     def _make_arena(self, key: str, specs: Sequence[TensorSpec]) -> _Arena:
@@ -844,6 +911,7 @@ class LayerMemoryLayout:
                 "block_size": self.kv_spec.block_size,
                 "block_bytes": self.kv_spec.block_bytes,
                 "block_shape": list(self.kv_spec.block_shape),
+                "physical_block_shape": list(self.kv_spec.physical_block_shape),
                 "dtype": str(self.kv_spec.dtype).removeprefix("torch."),
                 "pages_per_layer": self._k,
                 "num_blocks": nb,
@@ -880,6 +948,6 @@ def uniform_layer_specs(template: Sequence[tuple[str, Sequence[int], torch.dtype
 
 
 __all__ = [
-    "CapacityPlan", "HeldWith", "KVCacheSpec", "LayerMemoryLayout", "RemapResult", "TensorSpec", "WeightGroupSpec",
+    "CapacityPlan", "HeadSplitResult", "HeldWith", "KVCacheSpec", "LayerMemoryLayout", "RemapResult", "TensorSpec", "WeightGroupSpec",
     "WeightSource", "arena_pages", "kv_capacity", "pack_tensors", "plan_compaction", "uniform_layer_specs",
 ]

@@ -1,0 +1,198 @@
+"""In-place head split of paged KV when `degree` TP1 members merge into one TP`degree` instance (Gyges §4.1.2).
+
+Pure plan over plain data (no torch): which merged block id each member's block becomes, and the phased exchange
+of sub-blocks that puts every head where the merged instance expects it.
+
+With the header-centric block (`kv_layout.py`: `[heads, K/V, tokens, dim]`) the heads of rank r,
+`[r * H/degree, (r+1) * H/degree)`, are one contiguous byte range of every block, so a member's KV range read at
+`H/degree` heads per block is `num_blocks * degree` **sub-blocks**: physical block b, heads of rank r, is sub-block
+`b * degree + r`, at the same bytes. Merged block ids interleave the members: member m's block b becomes merged
+block `b * degree + m`, and rank r of the merged instance holds heads r of every merged block at its own sub-block
+of that id. So:
+
+- member m's sub-block `b*degree + m` (its own heads of its own block) is already in place: no byte moves;
+- for r != m, member m's sub-block `b*degree + r` (heads r of m's block b) goes to member r's sub-block
+  `b*degree + m`, and member r's sub-block `b*degree + m` (heads m of r's block b) goes the other way: the only
+  moves are pairwise swaps of same-block-index slots between two members.
+
+The swaps run in **phases** of at most `max_phase_subblocks` sub-blocks received per member; in each phase every
+member first sends (reads its sources into the staging of that phase) and then every member writes what it received.
+Both halves of a swap are in one phase, so no slot is overwritten before it was read, and the extra memory of the
+whole exchange is one phase's staging. A slot whose block is unused on the other side is only read: its bytes become
+free in place, and the merged instance allocates them (no page is mapped, unmapped or trimmed).
+
+`kv_major_split_cost` is the baseline: with a K/V-major block (`[K/V, heads, tokens, dim]`, this project's layout
+before the header-centric one) a rank's heads are two separate ranges per block (its K heads, its V heads), so the
+received heads cannot land in the slots the sent ones leave: the receiver reserves fresh memory for all of them and
+each member then trims (copies) its kept heads into compact blocks (Gyges §4.1.2, "migration and trim").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SubBlockMove:
+    """Sub-block `src_slot` of member `src` goes to sub-block `dst_slot` of member `dst` (slots count sub-blocks)."""
+
+    src: int
+    src_slot: int
+    dst: int
+    dst_slot: int
+
+
+@dataclass(frozen=True)
+class HeadSplitPlan:
+    """The merge of `degree` members of `num_blocks` blocks each (see the module docstring).
+
+    `block_maps[m]` maps member m's used block ids to merged block ids; `phases` are the exchange's phases;
+    `staging_subblocks` is the most sub-blocks one member receives in one phase (its staging bound);
+    `in_place` counts the used sub-blocks that stay where they are."""
+
+    degree: int
+    num_blocks: int
+    num_kv_heads: int
+    block_maps: tuple[dict[int, int], ...]
+    phases: tuple[tuple[SubBlockMove, ...], ...]
+    staging_subblocks: int
+    in_place: int
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_kv_heads // self.degree
+
+    @property
+    def merged_num_blocks(self) -> int:
+        return self.num_blocks * self.degree
+
+    @property
+    def moves(self) -> list[SubBlockMove]:
+        return [mv for phase in self.phases for mv in phase]
+
+    def heads(self, rank: int) -> range:
+        """The KV heads rank `rank` holds after the merge."""
+        return rank_heads(rank, self.degree, self.num_kv_heads)
+
+
+@dataclass(frozen=True)
+class SplitCost:
+    """Memory a merge needs per layer beyond the pages the members already hold (bytes, for one member: the one
+    that needs the most): `extra_bytes` at the peak (staging, or reserved pages), `copied_bytes` moved inside the
+    member's own KV (trimming); `sent_bytes` is what crosses between members, the same for both layouts."""
+
+    extra_bytes: int
+    copied_bytes: int
+    sent_bytes: int
+
+
+def rank_heads(rank: int, degree: int, num_kv_heads: int) -> range:
+    """KV heads `[rank * H/degree, (rank+1) * H/degree)`: one contiguous byte range of a header-centric block."""
+    _check_degree(degree, num_kv_heads)
+    if not 0 <= rank < degree:
+        raise ValueError(f"rank {rank} is outside [0, {degree})")
+    per = num_kv_heads // degree
+    return range(rank * per, (rank + 1) * per)
+
+
+def merged_block_id(member: int, block: int, degree: int) -> int:
+    """The merged instance's id of member `member`'s block `block`."""
+    return block * degree + member
+
+
+def sub_block(block: int, rank: int, degree: int) -> int:
+    """The sub-block (at H/degree heads per block) holding heads of `rank` of physical block `block`."""
+    return block * degree + rank
+
+
+def plan_head_split(used_blocks: Sequence[Collection[int]], num_blocks: int, num_kv_heads: int, max_phase_subblocks: int) -> HeadSplitPlan:
+    """Plan the merge of `len(used_blocks)` members (rank = position), member m using blocks `used_blocks[m]` of its
+    `num_blocks`; each phase delivers at most `max_phase_subblocks` sub-blocks to any one member."""
+    degree = len(used_blocks)
+    _check_degree(degree, num_kv_heads)
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+    if max_phase_subblocks < 1:
+        raise ValueError(f"a phase must move at least one sub-block, got max_phase_subblocks={max_phase_subblocks}")
+    used: list[set[int]] = []
+    for m, blocks in enumerate(used_blocks):
+        ids = {int(b) for b in blocks}
+        bad = sorted(b for b in ids if not 0 <= b < num_blocks)
+        if bad:
+            raise ValueError(f"member {m}: block ids outside [0, {num_blocks}): {bad[:8]}")
+        used.append(ids)
+    maps = tuple({b: merged_block_id(m, b, degree) for b in sorted(ids)} for m, ids in enumerate(used))
+
+    # One group per (block index, member pair) with something to move: the swap's two halves must share a phase.
+    groups: list[tuple[SubBlockMove, ...]] = []
+    for b in sorted(set().union(*used)):
+        for m in range(degree):
+            for r in range(m + 1, degree):
+                pair = []
+                if b in used[m]:
+                    pair.append(SubBlockMove(m, sub_block(b, r, degree), r, sub_block(b, m, degree)))
+                if b in used[r]:
+                    pair.append(SubBlockMove(r, sub_block(b, m, degree), m, sub_block(b, r, degree)))
+                if pair:
+                    groups.append(tuple(pair))
+    phases: list[tuple[SubBlockMove, ...]] = []
+    current: list[SubBlockMove] = []
+    received = [0] * degree
+    for group in groups:
+        need = [0] * degree
+        for mv in group:
+            need[mv.dst] += 1
+        if any(received[i] + need[i] > max_phase_subblocks for i in range(degree)):
+            phases.append(tuple(current))
+            current, received = [], [0] * degree
+        current.extend(group)
+        received = [received[i] + need[i] for i in range(degree)]
+    if current:
+        phases.append(tuple(current))
+    staging = max((max(sum(1 for mv in ph if mv.dst == i) for i in range(degree)) for ph in phases), default=0)
+    return HeadSplitPlan(degree, num_blocks, num_kv_heads, maps, tuple(phases), staging, sum(len(ids) for ids in used))
+
+
+def header_centric_split_cost(plan: HeadSplitPlan, block_bytes: int) -> SplitCost:
+    """Per layer, the in-place split: one phase's staging, nothing copied inside a member."""
+    sub = block_bytes // plan.degree
+    sent = max((sum(1 for mv in plan.moves if mv.src == m) for m in range(plan.degree)), default=0)
+    return SplitCost(plan.staging_subblocks * sub, 0, sent * sub)
+
+
+def kv_major_split_cost(used_blocks: Sequence[Collection[int]], num_kv_heads: int, block_bytes: int, page_size: int) -> SplitCost:
+    """Per layer, the same merge over K/V-major blocks: a member's kept heads are two ranges per block (K and V), so
+    it reserves whole pages for every sub-block it receives before the holes its sends leave can be reused, and
+    trims (copies) its kept heads of every used block into compact blocks."""
+    degree = len(used_blocks)
+    _check_degree(degree, num_kv_heads)
+    sub = block_bytes // degree
+    counts = [len(set(b)) for b in used_blocks]
+    worst_extra = worst_copy = worst_sent = 0
+    for r in range(degree):
+        incoming = sum(c for m, c in enumerate(counts) if m != r) * sub
+        worst_extra = max(worst_extra, -(-incoming // page_size) * page_size)
+        worst_copy = max(worst_copy, counts[r] * sub)
+        worst_sent = max(worst_sent, counts[r] * (degree - 1) * sub)
+    return SplitCost(worst_extra, worst_copy, worst_sent)
+
+
+def _check_degree(degree: int, num_kv_heads: int) -> None:
+    if degree < 2:
+        raise ValueError(f"a head split needs at least 2 members, got {degree}")
+    if num_kv_heads % degree:
+        raise ValueError(f"degree {degree} does not divide the {num_kv_heads} KV heads")
+
+
+__all__ = [
+    "HeadSplitPlan",
+    "SplitCost",
+    "SubBlockMove",
+    "header_centric_split_cost",
+    "kv_major_split_cost",
+    "merged_block_id",
+    "plan_head_split",
+    "rank_heads",
+    "sub_block",
+]

@@ -1,0 +1,96 @@
+"""The header-centric physical order of a paged KV block (Gyges §4.1) and the view the kernels are handed.
+
+A block of one layer holds `block_size` tokens of `num_kv_heads` heads, K and V. In memory it is laid out
+**head-major**, `[num_kv_heads, 2, block_size, head_dim]`: one head's K and V are adjacent, so the heads
+[a, b) of a block are one contiguous byte range. That is what lets a tensor-parallel scale-up keep a rank's
+heads where they lie and reinterpret each block as `degree` smaller blocks (`kv_head_split.py`) instead of
+trimming two strided ranges (K and V) per block, as a K/V-major block `[2, num_kv_heads, ...]` would need.
+
+The engine and its kernels keep seeing the order they were written for, `[num_blocks, 2, num_kv_heads,
+block_size, head_dim]` (FlashInfer's HND with K/V as the second axis), as a *permuted view* of the physical
+tensor (`kv_stride_order`, after the paper's `kv_stride_order()`): only strides differ, the innermost
+`[block_size, head_dim]` stays contiguous, and anything that indexes, gathers or copies through the view
+(index_select, index_copy_, index_put) reads and writes the same logical elements whatever the physical order.
+Kernels that compute addresses themselves take the view's strides (`cpu_kernels.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .kv_head_split import HeadSplitPlan
+
+KV_STRIDE_ORDER = (0, 2, 1, 3, 4)
+"""Axes of the physical tensor `[blocks, heads, K/V, tokens, dim]` in the logical order `[blocks, K/V, heads, tokens,
+dim]` (the permutation is its own inverse)."""
+
+
+def physical_block_shape(num_kv_heads: int, block_size: int, head_dim: int) -> tuple[int, int, int, int]:
+    """One block as it lies in memory: `[num_kv_heads, 2, block_size, head_dim]`."""
+    return (num_kv_heads, 2, block_size, head_dim)
+
+
+def logical_view(physical: torch.Tensor) -> torch.Tensor:
+    """The kernels' view `[blocks, 2, heads, block_size, head_dim]` of a physical `[blocks, heads, 2, ...]` tensor."""
+    if physical.dim() != 5 or physical.shape[2] != 2:
+        raise ValueError(f"a physical KV tensor is [blocks, heads, 2, block_size, head_dim], got {tuple(physical.shape)}")
+    return physical.permute(*KV_STRIDE_ORDER)
+
+
+def physical_view(cache: torch.Tensor) -> torch.Tensor:
+    """The physical `[blocks, heads, 2, block_size, head_dim]` tensor under a logical cache view (contiguous)."""
+    if cache.dim() != 5 or cache.shape[1] != 2:
+        raise ValueError(f"a KV cache view is [blocks, 2, heads, block_size, head_dim], got {tuple(cache.shape)}")
+    phys = cache.permute(*KV_STRIDE_ORDER)
+    if not phys.is_contiguous():
+        raise ValueError(f"the KV cache view (strides {cache.stride()}) is not a header-centric physical tensor")
+    return phys
+
+
+def allocate(
+    num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """A zeroed KV tensor laid out header-centric, returned as the kernels' logical view."""
+    return logical_view(torch.zeros(num_blocks, *physical_block_shape(num_kv_heads, block_size, head_dim), dtype=dtype, device=device))
+
+
+def exchange_sub_blocks(plan: HeadSplitPlan, caches: Sequence[torch.Tensor]) -> int:
+    """Run `plan`'s phased exchange over one layer of every member, in one process: `caches[m]` is member m's
+    cache view after the head split (`LayerMemoryLayout.split_kv_heads`: `[num_blocks * degree, 2, H/degree, ...]`).
+    Each phase copies every source sub-block into staging, then writes every destination, so a swap's two halves
+    are both read before either is written. Returns the most staging bytes one member held in one phase (what a
+    transport between processes would buffer at the receiver)."""
+    if len(caches) != plan.degree:
+        raise ValueError(f"the plan merges {plan.degree} members, got {len(caches)} caches")
+    phys = [physical_view(c) for c in caches]
+    for m, p in enumerate(phys):
+        if p.shape[0] < plan.merged_num_blocks or p.shape[1] != plan.heads_per_rank:
+            raise ValueError(
+                f"member {m}'s cache is {tuple(p.shape[:2])} sub-blocks x heads; the plan needs at least "
+                f"{plan.merged_num_blocks} sub-blocks of {plan.heads_per_rank} heads (split it first)"
+            )
+    sub_bytes = phys[0][0].numel() * phys[0].element_size()
+    peak = 0
+    with torch.no_grad():
+        for phase in plan.phases:
+            pairs: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+            for mv in phase:
+                src, dst = pairs.setdefault((mv.src, mv.dst), ([], []))
+                src.append(mv.src_slot)
+                dst.append(mv.dst_slot)
+            staged = []
+            for (s, d), (src, dst) in pairs.items():
+                ids = torch.tensor(src, dtype=torch.long, device=phys[s].device)
+                staged.append((d, dst, phys[s].index_select(0, ids).to(phys[d].device)))
+            received = [0] * plan.degree
+            for d, _, t in staged:
+                received[d] += t.shape[0]
+            peak = max(peak, max(received) * sub_bytes)
+            for d, dst, t in staged:
+                phys[d].index_copy_(0, torch.tensor(dst, dtype=torch.long, device=phys[d].device), t)
+    return peak
+
+
+__all__ = ["KV_STRIDE_ORDER", "allocate", "exchange_sub_blocks", "logical_view", "physical_block_shape", "physical_view"]
