@@ -616,6 +616,46 @@ def cmd_restore(args: argparse.Namespace) -> None:
     _finish_transition(rep, args)
 
 
+# --- elastic tensor parallelism by cold re-form (MemoryManager.TransformTP / SplitTP) ------------------------------
+def _tp_instances(instances) -> str:
+    return "; ".join(f"{'+'.join(i.members)}{f' (TP{len(i.members)})' if len(i.members) > 1 else ''}: "
+                     f"{i.kv_blocks} KV blocks ({i.kv_tokens} tokens)" for i in instances) or "unknown"
+
+
+def format_tp_report(rep) -> str:
+    """A TPReport (kunctl tp / tp-split) as text."""
+    what = f"TP{rep.degree} over {', '.join(rep.members)}" if rep.op == "tp" else \
+        f"split of {', '.join(rep.members)} into whole instances"
+    if rep.completed:
+        lines = [f"{rep.op} completed: {what}; layout epoch {rep.epoch}"]
+    else:
+        how = "healed: every member is a whole instance again" if rep.healed else "not completed"
+        lines = [f"{rep.op} FAILED ({how}): {what}; layout epoch {rep.epoch}" + (f": {rep.error}" if rep.error else "")]
+    lines.append(f"before: {_tp_instances(rep.before)}")
+    lines.append(f"after:  {_tp_instances(rep.after)}")
+    extra = f", rendezvous port {rep.port}" if rep.port else ""
+    lines.append(f"cold re-form (weights reloaded, no KV kept): {rep.handed_over} running request"
+                 f"{'s' if rep.handed_over != 1 else ''} handed over to re-prefill{extra}; total {_ms(rep.total_seconds)}")
+    return "\n".join(lines)
+
+
+def _finish_tp(rep, args: argparse.Namespace) -> None:
+    _print(rep, args.json, lambda r: print(format_tp_report(r)))
+    if not rep.completed:
+        print(f"kunctl: {rep.op} not completed: {rep.error or 'no error given'}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def cmd_tp(args: argparse.Namespace) -> None:
+    req = memory_manager_pb2.TransformTPRequest(worker_ids=args.group, degree=args.degree or 0)
+    _finish_tp(_mm_rpc(args, lambda stub: stub.TransformTP(req, timeout=max(args.timeout, 600))), args)
+
+
+def cmd_tp_split(args: argparse.Namespace) -> None:
+    req = memory_manager_pb2.SplitTPRequest(worker_id=args.group)
+    _finish_tp(_mm_rpc(args, lambda stub: stub.SplitTP(req, timeout=max(args.timeout, 600))), args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kunctl", description="KunServe admin CLI.")
     p.add_argument("--config", help="cluster config file (TOML); default $KUNSERVE_CONFIG or built-in defaults")
@@ -686,6 +726,27 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--group", metavar="G", help="the group id to restore (see kunctl status); default: every group")
     rs.add_argument("--json", action="store_true", help="print the transition report as JSON")
     rs.set_defaults(func=cmd_restore)
+    tp = sub.add_parser(
+        "tp", help="re-form co-located whole instances into one tensor-parallel instance (TP2 / TP4)",
+        description="Cold re-form (README 'Elastic tensor parallelism (Gyges)'): every member hands its running "
+                    "requests over (they re-prefill on the new instance), restarts in place with a shard of every "
+                    "layer and meets the others; rank 0 (the first id) serves. Prints the report (KV capacity before "
+                    "and after, time); exits 1 when it did not complete (every member is healed to a whole instance).",
+        epilog="examples: kunctl tp --group worker-0,worker-1; kunctl tp --group w0,w1,w2,w3 --degree 4")
+    tp.add_argument("--group", type=parse_group, required=True, metavar="W0,W1",
+                    help="the members, rank 0 first; every one a serving whole instance on the same host")
+    tp.add_argument("--degree", type=int, choices=(2, 4), help="the tensor-parallel degree (default: the group size)")
+    tp.add_argument("--json", action="store_true", help="print the report as JSON")
+    tp.set_defaults(func=cmd_tp)
+    ts = sub.add_parser(
+        "tp-split", help="split a tensor-parallel instance back into whole instances",
+        description="Cold re-form of every member of the tensor-parallel instance --group names into a whole "
+                    "instance of its own (rank 0 first; its running requests re-prefill on one of them). Prints "
+                    "the report; exits 1 when it did not complete.",
+        epilog="example: kunctl tp-split --group worker-0")
+    ts.add_argument("--group", required=True, metavar="W", help="any member of the tensor-parallel instance")
+    ts.add_argument("--json", action="store_true", help="print the report as JSON")
+    ts.set_defaults(func=cmd_tp_split)
     return p
 
 

@@ -7,6 +7,58 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TransformTPRequest(_message.Message):
+    __slots__ = ("worker_ids", "degree")
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEGREE_FIELD_NUMBER: _ClassVar[int]
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    degree: int
+    def __init__(self, worker_ids: _Optional[_Iterable[str]] = ..., degree: _Optional[int] = ...) -> None: ...
+
+class SplitTPRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class TPInstance(_message.Message):
+    __slots__ = ("members", "kv_blocks", "kv_tokens")
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    members: _containers.RepeatedScalarFieldContainer[str]
+    kv_blocks: int
+    kv_tokens: int
+    def __init__(self, members: _Optional[_Iterable[str]] = ..., kv_blocks: _Optional[int] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
+
+class TPReport(_message.Message):
+    __slots__ = ("op", "completed", "healed", "error", "members", "degree", "before", "after", "total_seconds", "epoch", "port", "handed_over")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    HEALED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    DEGREE_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    completed: bool
+    healed: bool
+    error: str
+    members: _containers.RepeatedScalarFieldContainer[str]
+    degree: int
+    before: _containers.RepeatedCompositeFieldContainer[TPInstance]
+    after: _containers.RepeatedCompositeFieldContainer[TPInstance]
+    total_seconds: float
+    epoch: int
+    port: int
+    handed_over: int
+    def __init__(self, op: _Optional[str] = ..., completed: _Optional[bool] = ..., healed: _Optional[bool] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., degree: _Optional[int] = ..., before: _Optional[_Iterable[_Union[TPInstance, _Mapping]]] = ..., after: _Optional[_Iterable[_Union[TPInstance, _Mapping]]] = ..., total_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., port: _Optional[int] = ..., handed_over: _Optional[int] = ...) -> None: ...
+
 class ModelFingerprint(_message.Message):
     __slots__ = ("model_name", "architecture", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size", "max_model_len", "dtype", "checkpoint")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]

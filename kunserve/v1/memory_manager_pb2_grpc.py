@@ -70,6 +70,16 @@ class MemoryManagerStub:
                 request_serializer=kunserve_dot_v1_dot_memory__manager__pb2.DeregisterWorkerRequest.SerializeToString,
                 response_deserializer=kunserve_dot_v1_dot_common__pb2.Empty.FromString,
                 _registered_method=True)
+        self.TransformTP = channel.unary_unary(
+                '/kunserve.v1.MemoryManager/TransformTP',
+                request_serializer=kunserve_dot_v1_dot_memory__manager__pb2.TransformTPRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.TPReport.FromString,
+                _registered_method=True)
+        self.SplitTP = channel.unary_unary(
+                '/kunserve.v1.MemoryManager/SplitTP',
+                request_serializer=kunserve_dot_v1_dot_memory__manager__pb2.SplitTPRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.TPReport.FromString,
+                _registered_method=True)
 
 
 class MemoryManagerServicer:
@@ -129,6 +139,21 @@ class MemoryManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TransformTP(self, request, context):
+        """Elastic tensor parallelism by cold re-form (README "Elastic tensor parallelism (Gyges)"): co-located whole
+        instances become one TP2/TP4 instance (TransformTP), or a tensor-parallel instance splits back into whole
+        instances (SplitTP). One transition of any kind at a time (ABORTED during a drop or another re-form).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SplitTP(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +191,16 @@ def add_MemoryManagerServicer_to_server(servicer, server):
                     servicer.DeregisterWorker,
                     request_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.DeregisterWorkerRequest.FromString,
                     response_serializer=kunserve_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'TransformTP': grpc.unary_unary_rpc_method_handler(
+                    servicer.TransformTP,
+                    request_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.TransformTPRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_memory__manager__pb2.TPReport.SerializeToString,
+            ),
+            'SplitTP': grpc.unary_unary_rpc_method_handler(
+                    servicer.SplitTP,
+                    request_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.SplitTPRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_memory__manager__pb2.TPReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -357,6 +392,60 @@ class MemoryManager:
             '/kunserve.v1.MemoryManager/DeregisterWorker',
             kunserve_dot_v1_dot_memory__manager__pb2.DeregisterWorkerRequest.SerializeToString,
             kunserve_dot_v1_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransformTP(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.MemoryManager/TransformTP',
+            kunserve_dot_v1_dot_memory__manager__pb2.TransformTPRequest.SerializeToString,
+            kunserve_dot_v1_dot_memory__manager__pb2.TPReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SplitTP(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.MemoryManager/SplitTP',
+            kunserve_dot_v1_dot_memory__manager__pb2.SplitTPRequest.SerializeToString,
+            kunserve_dot_v1_dot_memory__manager__pb2.TPReport.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReformTPRequest(_message.Message):
+    __slots__ = ("members", "rank", "port", "host", "rendezvous_timeout_s", "drain_timeout_s")
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    members: _containers.RepeatedScalarFieldContainer[str]
+    rank: int
+    port: int
+    host: str
+    rendezvous_timeout_s: float
+    drain_timeout_s: float
+    def __init__(self, members: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., port: _Optional[int] = ..., host: _Optional[str] = ..., rendezvous_timeout_s: _Optional[float] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class ReformTPReply(_message.Message):
+    __slots__ = ("worker_id", "reforming", "port", "host", "finished", "handed_over")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REFORMING_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    reforming: bool
+    port: int
+    host: str
+    finished: int
+    handed_over: int
+    def __init__(self, worker_id: _Optional[str] = ..., reforming: _Optional[bool] = ..., port: _Optional[int] = ..., host: _Optional[str] = ..., finished: _Optional[int] = ..., handed_over: _Optional[int] = ...) -> None: ...
+
 class ActivateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

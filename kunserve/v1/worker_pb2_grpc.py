@@ -110,6 +110,11 @@ class WorkerStub:
                 request_serializer=kunserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kunserve_dot_v1_dot_worker__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.ReformTP = channel.unary_unary(
+                '/kunserve.v1.Worker/ReformTP',
+                request_serializer=kunserve_dot_v1_dot_worker__pb2.ReformTPRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_worker__pb2.ReformTPReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -224,6 +229,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReformTP(self, request, context):
+        """Elastic tensor parallelism by cold re-form (README "Elastic tensor parallelism (Gyges)"), driven by the memory
+        manager: the worker stops taking requests, hands its running ones over as Drain does (the dispatcher resumes
+        them once the new instance serves), answers, and re-executes itself (same pid, id and ports) as rank `rank` of
+        `members` (one member: a whole instance again). Rank 0 with port 0 picks the rendezvous port and answers it.
+        ABORTED while a drop / restore or another re-form runs; FAILED_PRECONDITION when the worker is not free (in a
+        pipeline group, dropped layers, draining or standby).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -301,6 +318,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kunserve_dot_v1_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=kunserve_dot_v1_dot_worker__pb2.DrainReply.SerializeToString,
+            ),
+            'ReformTP': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReformTP,
+                    request_deserializer=kunserve_dot_v1_dot_worker__pb2.ReformTPRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_worker__pb2.ReformTPReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -708,6 +730,33 @@ class Worker:
             '/kunserve.v1.Worker/Drain',
             kunserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
             kunserve_dot_v1_dot_worker__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReformTP(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.Worker/ReformTP',
+            kunserve_dot_v1_dot_worker__pb2.ReformTPRequest.SerializeToString,
+            kunserve_dot_v1_dot_worker__pb2.ReformTPReply.FromString,
             options,
             channel_credentials,
             insecure,

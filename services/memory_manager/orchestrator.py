@@ -174,6 +174,7 @@ class Orchestrator:
         self.background_kv = background_kv  # memory_manager.coordinated_exchange
         self.lock = asyncio.Lock()
         self.running_epoch = 0
+        self.running_what = ""  # a tensor-parallel re-form under way (services/memory_manager/tp_reform.py)
         self.started_epochs: set[int] = set()  # transitions this process began (the others are orphans)
         self.observers: list[TransitionObserver] = []
         self.log = get_logger()
@@ -402,12 +403,18 @@ class Orchestrator:
                                           migrate=(units[0].unit_id, units[1].unit_id, req.blocks))
 
     @contextlib.asynccontextmanager
-    async def _exclusive(self) -> AsyncIterator[None]:
+    async def _exclusive(self, what: str = "") -> AsyncIterator[None]:
+        """One transition of any kind at a time (a drop, restore or migration, or a tensor-parallel re-form `what`):
+        a second one gets ABORTED."""
         if self.lock.locked():
-            raise OrchestrationError("ABORTED", f"a drop / restore (epoch {self.running_epoch}) is in "
-                                     "progress; retry when it has finished")
+            running = self.running_what or f"drop / restore (epoch {self.running_epoch})"
+            raise OrchestrationError("ABORTED", f"a {running} is in progress; retry when it has finished")
         async with self.lock:
-            yield
+            self.running_what = what
+            try:
+                yield
+            finally:
+                self.running_what = ""
 
     async def _each(self, workers: Iterable[str], call: Callable[[worker_pb2_grpc.WorkerStub], Awaitable[T]]
                     ) -> tuple[dict[str, T], dict[str, Exception]]:

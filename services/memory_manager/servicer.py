@@ -22,7 +22,7 @@ from kunserve.shared.epochs import MAX_EPOCH
 from kunserve.shared.log import get_logger
 from kunserve.shared.metrics import Lazy, new_registry
 from kunserve.shared.policy.cluster_layout import LayoutState
-from kunserve.shared.policy.membership import Accepted, Membership, Refused, Registration
+from kunserve.shared.policy.membership import Accepted, Fingerprint, Membership, Refused, Registration
 from kunserve.shared.rpc import channel
 from kunserve.shared.wire.cluster_state import layout_entry_from_info, layout_to_pb
 from kunserve.shared.wire.membership import registration_from_pb
@@ -40,6 +40,7 @@ from kunserve.v1 import (
 from .autoscaler import Autoscaler
 from .metrics import AutoscaleMetrics, DropClock, TransitionMetrics, layout_families
 from .orchestrator import OrchestrationError, Orchestrator
+from .tp_reform import TPReformer
 
 LINK_RETRY_S = 10.0  # how long a worker whose transfer links failed is left alone before it is asked again
 
@@ -95,6 +96,7 @@ class MemoryManager:
         self.orchestrator = Orchestrator(self, cfg.memory_manager.transition_timeout_s,
                                          cfg.memory_manager.transition_lease_s,
                                          background_kv=cfg.memory_manager.coordinated_exchange)
+        self.tp = TPReformer(self, self.orchestrator, cfg.memory_manager.transition_timeout_s)
         self._infos: dict[str, worker_pb2.WorkerInfo] = {}  # the latest GetInfo of each reachable worker
         self._linking: asyncio.Task | None = None
         self._link_retry_at: dict[str, float] = {}  # a worker whose links failed is asked again after this
@@ -137,6 +139,15 @@ class MemoryManager:
         """A stub for the worker (a member or a standby worker); None when no such worker is known."""
         ch = self._channel(worker_id)
         return worker_pb2_grpc.WorkerStub(ch) if ch is not None else None
+
+    def worker_host(self, worker_id: str) -> str | None:
+        """The host of a member's address (tensor-parallel members must share one)."""
+        address = self.membership.address(worker_id)
+        return address.rsplit(":", 1)[0] if address else None
+
+    def model_shape(self) -> Fingerprint | None:
+        """The cluster's model as the seeds registered it."""
+        return self.membership.reference
 
     def _channel(self, worker_id: str) -> grpc.aio.Channel | None:
         address = self.membership.address(worker_id)
@@ -391,6 +402,12 @@ class MemoryManagerServicer(memory_manager_pb2_grpc.MemoryManagerServicer):
 
     async def Migrate(self, request, context):
         return await self._orchestrate(context, self.mm.orchestrator.migrate(request))
+
+    async def TransformTP(self, request, context):
+        return await self._orchestrate(context, self.mm.tp.transform(request))
+
+    async def SplitTP(self, request, context):
+        return await self._orchestrate(context, self.mm.tp.split(request))
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):

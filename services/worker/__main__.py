@@ -4,6 +4,9 @@ A worker whose id is one of the config's ``[[workers]]`` is a seed; any other id
 (README "Discovery and autoscaling"): its address and ports come from its flags, ``$KUNSERVE_WORKER_HOST``, or the
 first ``[[workers]]`` entry (on Kubernetes every pod of the StatefulSet shares one template), and it serves once the
 memory manager has accepted it. ``--standby`` loads the model and waits for the local scaler to activate it.
+``--tp-members`` (with ``--tp-rank``, ``--tp-port``, ``--tp-host``) overrides the config's tensor-parallel
+membership: the memory manager's cold re-form re-executes the worker with them (README "Elastic tensor parallelism
+(Gyges)").
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import asyncio
 import os
 import sys
+import time
 
 import structlog
 
@@ -20,11 +24,13 @@ from kunserve.services.worker.build import WorkerBuildError, build_worker
 from kunserve.services.worker.cluster_membership import ClusterMembership, MembershipRefused
 from kunserve.services.worker.metrics import IterationMetrics, worker_families
 from kunserve.services.worker.reporter import report_stats_forever
-from kunserve.services.worker.servicer import WorkerServicer
-from kunserve.services.worker.tp_member import EXIT_BROKEN
+from kunserve.services.worker.servicer import WorkerIdentity, WorkerServicer
+from kunserve.services.worker.tp_member import EXIT_BROKEN, TPArgs, TPMembership, reexec, reform_argv
 from kunserve.shared import rpc
 from kunserve.shared.config import ClusterConfig, ConfigError, WorkerSection, load_config
 from kunserve.shared.credentials import internal_rules
+from kunserve.shared.engine.loop import EngineLoop
+from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.faults import fault_armed
 from kunserve.shared.log import configure_logging
 from kunserve.shared.metrics import Lazy, MetricsServer, new_registry, serve_metrics
@@ -34,6 +40,7 @@ from kunserve.shared.transfer.service import TransferService
 from kunserve.v1 import worker_pb2_grpc
 
 ENGINE_STUCK_S = 120.0
+TRANSFER_RETRY_S = 120.0  # how long a busy transfer port is tried again (TCP's TIME_WAIT is 60 s on Linux)
 HOST_ENV = "KUNSERVE_WORKER_HOST"  # the address other services reach a joining worker at (Kubernetes: its DNS name)
 
 
@@ -73,7 +80,29 @@ def load_worker_config(args: argparse.Namespace) -> tuple[ClusterConfig, structl
     return cfg, log, False
 
 
+def tp_args(args: argparse.Namespace) -> TPArgs | None:
+    """The runtime tensor-parallel membership the --tp-* flags give (None: the config's)."""
+    if args.tp_members is None:
+        return None
+    return TPArgs(tuple(m.strip() for m in args.tp_members.split(",")), args.tp_rank, args.tp_port, args.tp_host or "",
+                  args.tp_rendezvous_timeout)
+
+
+def build_or_fall_back(cfg: ClusterConfig, worker_id: str, runtime: TPArgs | None,
+                       log: structlog.BoundLogger) -> tuple[EngineLoop, PooledInstance, WorkerIdentity, TPMembership | None]:
+    """build_worker; a runtime tensor-parallel membership that cannot form (a member never came, the rendezvous port
+    was taken) falls back to a whole instance, so that a failed re-form heals without a supervisor."""
+    try:
+        return build_worker(cfg, worker_id, runtime)
+    except WorkerBuildError as exc:
+        if runtime is None or len(runtime.members) == 1:
+            raise
+        log.error("tensor_parallel_reform_failed", error=str(exc), fallback="whole instance")
+        return build_worker(cfg, worker_id, TPArgs((worker_id,)))
+
+
 def main(argv: list[str] | None = None) -> None:
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
     parser = service_arg_parser("kunserve-worker", "A worker: holds a layer range of the model and runs the engine.")
     parser.add_argument("--worker-id", default=os.environ.get("KUNSERVE_WORKER_ID"),
                         help="which [[workers]] entry of the config this process is (or $KUNSERVE_WORKER_ID); an id "
@@ -85,13 +114,27 @@ def main(argv: list[str] | None = None) -> None:
                         "[[workers]] entry's)")
     parser.add_argument("--metrics-port", type=int, help="a joining worker's /metrics port (default: the first "
                         "[[workers]] entry's; 0 = none)")
+    parser.add_argument("--tp-members", metavar="W0,W1",
+                        help="this worker's tensor-parallel instance, rank 0 first (overrides [[tensor_parallel]]; one "
+                             "member: a whole instance). Set by the memory manager's re-form (kunctl tp)")
+    parser.add_argument("--tp-rank", type=int, default=0, help="this worker's rank in --tp-members")
+    parser.add_argument("--tp-port", type=int, default=0, help="the rendezvous port on rank 0's host")
+    parser.add_argument("--tp-host", help="rank 0's host (default: its configured host)")
+    parser.add_argument("--tp-rendezvous-timeout", type=float, default=0.0,
+                        help="seconds the members wait for each other (default: [[tensor_parallel]]'s)")
     args = parser.parse_args(argv)
     if not args.worker_id:
         parser.error("--worker-id is required (or set KUNSERVE_WORKER_ID)")
+    runtime_tp = tp_args(args)
+    if runtime_tp is not None:
+        try:
+            runtime_tp.check(args.worker_id)
+        except ValueError as exc:
+            parser.error(str(exc))
     cfg, log, seed = load_worker_config(args)
     creds = load_service_credentials(cfg, f"worker {args.worker_id}")
     try:
-        engine_loop, instance, identity, tp = build_worker(cfg, args.worker_id)
+        engine_loop, instance, identity, tp = build_or_fall_back(cfg, args.worker_id, runtime_tp, log)
     except WorkerBuildError as exc:
         print(f"worker {args.worker_id}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -109,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     registry = new_registry()
     engine_loop.engine.on_schedule = IterationMetrics(registry, args.worker_id).scheduled
 
+    servicers: list[WorkerServicer] = []  # amain's, read after it returned
+
     async def amain() -> None:
         wsec = cfg.worker(args.worker_id)
         # Links only from members of the cluster (the config's workers, then the memory manager's member list),
@@ -116,14 +161,38 @@ def main(argv: list[str] | None = None) -> None:
         svc = TransferService(args.worker_id, host=wsec.host, secret=creds.cluster_secret.encode(),
                               members=[w.id for w in cfg.workers])
         transfer: TransferService | None = svc
+        port_busy = False
         try:
             await svc.start(wsec.transfer_port)
         except Exception as exc:  # no UCX here: the worker still serves, but cannot join pipeline groups
             log.error("transfer_service_unavailable", error=f"{type(exc).__name__}: {exc}")
             transfer = None
+            port_busy = any(s in str(exc).lower() for s in ("busy", "in use"))
         servicer = WorkerServicer(identity, engine_loop, instance, transfer,
-                                  cfg.memory_manager.transition_timeout_s, tp=tp)
+                                  cfg.memory_manager.transition_timeout_s, tp=tp,
+                                  whole_model=tp.whole if tp is not None and tp.whole is not None else instance.source)
+        servicers.append(servicer)
         tasks: list[asyncio.Task] = []
+
+        async def retry_transfer() -> None:
+            """The transfer port still held by links of this worker's previous run (a restart or a re-form: their
+            TCP connections linger in TIME_WAIT for up to a minute): serve meanwhile, listen once it is free."""
+            nonlocal transfer
+            deadline = time.monotonic() + TRANSFER_RETRY_S
+            while time.monotonic() < deadline:
+                await asyncio.sleep(2.0)
+                try:
+                    await svc.start(wsec.transfer_port)
+                except Exception:  # still busy
+                    continue
+                transfer = svc
+                servicer.attach_transfer(svc)
+                return
+            log.error("transfer_service_unavailable", error=f"port {wsec.transfer_port} still busy after "
+                      f"{TRANSFER_RETRY_S:g}s", gave_up=True)
+
+        if port_busy:
+            tasks.append(asyncio.create_task(retry_transfer()))
         reporting: list[asyncio.Task] = []  # the stats stream to the monitor: only while in service
         registry.register(Lazy(lambda: worker_families(servicer.current_stats())))
         metrics: MetricsServer | None = None
@@ -141,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
             if transfer is not None:
                 transfer.members = members
 
-        src = instance.source
+        src = servicer.whole_model or instance.source  # a tensor-parallel member serves the whole model
         membership = ClusterMembership(
             cfg.memory_manager.address, args.worker_id, wsec.address,
             model_fingerprint(src.config, src.name, src.path, src.seed), [w.id for w in cfg.workers],
@@ -183,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
             if tp is not None:
                 tp.cancel_tasks()
             stop_reporting()
-            if not seed:
+            if not seed and servicer.reform is None:  # a re-forming worker is back under its id in a moment
                 await membership.deregister("shutdown")
             await membership.close()
             if metrics is not None:
@@ -201,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
                                              and (tp is None or tp.broken(engine_loop) is None)))
 
     rpc.run(amain)
+    if servicers and servicers[0].reform is not None:  # a cold re-form: the same process, a new membership
+        reexec(reform_argv(raw_argv, servicers[0].reform))
     if tp is not None and tp.exited_broken:  # its instance broke: start again with the other members
         raise SystemExit(EXIT_BROKEN)
 

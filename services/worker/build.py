@@ -12,7 +12,7 @@ import torch
 
 from kunserve.services.worker.own_profile import ProfileKey, cache_path, find_own_profile
 from kunserve.services.worker.servicer import WorkerIdentity
-from kunserve.services.worker.tp_member import TPMembership, membership_of
+from kunserve.services.worker.tp_member import TPArgs, TPMembership, membership_of, runtime_membership
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
@@ -112,12 +112,16 @@ def worker_profile(cfg: ClusterConfig, source: ModelSource, layers: tuple[int, i
     return find_own_profile(key, configured=e.profile, cache=cache_path(e.profile_cache), measure=measure)
 
 
-def build_worker(cfg: ClusterConfig, worker_id: str
+def build_worker(cfg: ClusterConfig, worker_id: str, runtime_tp: TPArgs | None = None
                  ) -> tuple[EngineLoop, PooledInstance, WorkerIdentity, TPMembership | None]:
     """The worker's engine loop, instance and identity, and its tensor-parallel membership (None: a whole instance of
-    its own); a member has met the other members of its instance when this returns."""
+    its own): `runtime_tp` (the --tp-* flags of a cold re-form) when given, else the config's; a member has met the
+    other members of its instance when this returns."""
     wsec = cfg.worker(worker_id)
-    tp = membership_of(cfg, worker_id)
+    try:
+        tp = runtime_membership(cfg, worker_id, runtime_tp) if runtime_tp is not None else membership_of(cfg, worker_id)
+    except ValueError as exc:
+        raise WorkerBuildError(str(exc)) from None
     try:
         device = pick_device(cfg.model.device)
     except DeviceError as exc:

@@ -7,6 +7,8 @@ and the asyncio event loop, so RPCs and the stats stream stay responsive while a
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -18,6 +20,7 @@ from kunserve.shared.engine.pooled import LayerChange, PooledInstance
 from kunserve.shared.epochs import epoch_error
 from kunserve.shared.log import get_logger
 from kunserve.shared.memory.errors import MemoryPoolError
+from kunserve.shared.model.weights import ModelSource
 from kunserve.shared.rpc import WORKER_END
 from kunserve.shared.streams import Shutdown, StreamRegistry
 from kunserve.shared.transfer.service import TransferError
@@ -28,10 +31,11 @@ from kunserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from .cluster_membership import ClusterMembership, MembershipRefused
 from .handover import Moved
 from .relayout import TransitionRefused, TransitionRunner
-from .tp_member import TPMembership
+from .tp_member import TPArgs, TPMembership, check_model_degree, pick_free_port
 
 DRAIN_POLL_S = 0.05
 HANDOVER_WAIT_S = 5.0  # after a drain's timeout: how long the ended streams take to close
+REEXEC_AFTER_S = 0.05  # after a ReformTP answer: the graceful stop that ends in the re-exec
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,12 @@ class WorkerIdentity:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, identity: WorkerIdentity, engine_loop, instance: PooledInstance,
-                 transfer=None, transition_timeout_s: float = 60.0, tp: TPMembership | None = None) -> None:
+                 transfer=None, transition_timeout_s: float = 60.0, tp: TPMembership | None = None,
+                 whole_model: ModelSource | None = None) -> None:
         self.identity = identity
         self.tp = tp  # its tensor-parallel instance (None: a whole instance of its own)
+        self.whole_model = whole_model  # the unsharded model (None: not known; a re-form's degree is checked at build)
+        self.reform: TPArgs | None = None  # set by ReformTP: the membership to re-execute with once stopped
         self.engine = engine_loop  # EngineLoop
         self.instance = instance
         self._remap_lock = asyncio.Lock()  # one drop / restore at a time
@@ -59,12 +66,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.undropped_blocks = instance.capacity_for(0, identity.num_layers_model)
         # Cluster layout transitions (drop into / restore from pipeline groups); needs the transfer service.
         self.transitions: TransitionRunner | None = None
+        self._transition_timeout_s = transition_timeout_s
         if transfer is not None:
-            self.transitions = TransitionRunner(identity.worker_id, engine_loop, instance, transfer, self.streams,
-                                                transition_timeout_s)
+            self.attach_transfer(transfer)
         # Runtime membership (standby, draining); None: always in service (a worker run without a memory manager)
         self.cluster: ClusterMembership | None = None
         self._draining: asyncio.Future | None = None  # the drain under way (it outlives a cancelled Drain call)
+
+    def attach_transfer(self, transfer) -> None:
+        """Take part in layout transitions over `transfer` (at start, or once its port came free)."""
+        self.transitions = TransitionRunner(self.identity.worker_id, self.engine, self.instance, transfer, self.streams,
+                                            self._transition_timeout_s)
 
     # -- layout state ---------------------------------------------------------------------------------
     @property
@@ -80,7 +92,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def serving(self) -> bool:
         """Routable: a whole instance, the head of a pipeline group or rank 0 of a tensor-parallel instance."""
         return (self.engine.running and self.engine.engine.serving and not self.transitioning and self.in_service
-                and (self.tp is None or self.tp.is_leader))
+                and (self.tp is None or self.tp.is_leader) and self.reform is None)
 
     # -- requests ---------------------------------------------------------------------------------
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):
@@ -102,6 +114,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 "retry shortly or on another worker")
         if self.cluster is not None and not self.cluster.in_service:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.cluster.why_not_serving())
+        if self.reform is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self._reforming_message())
         if self.tp is not None and not self.tp.is_leader:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"worker {self.identity.worker_id} is {self.tp.describe()}; send requests to "
@@ -140,6 +154,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             while True:
                 item = await queue.get()
+                if isinstance(item, Shutdown) and self.reform is not None:
+                    # handed over for a re-form: the dispatcher resumes it once a re-formed instance serves (this
+                    # worker is not written off for it, as a worker that went away would be)
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self._reforming_message()}; resume")
                 if isinstance(item, Shutdown):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, item.message,
                                         trailing_metadata=((WORKER_END, "shutdown"),))
@@ -258,7 +276,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 f"worker {self.identity.worker_id} is {self.tp.describe()}: the parameter drop, "
                                 "restore and migration are not supported on tensor-parallel instances")
 
+    async def _not_reforming(self, context) -> None:
+        if self.reform is not None:
+            await context.abort(grpc.StatusCode.ABORTED, self._reforming_message())
+
     async def _not_in_group(self, context) -> None:
+        await self._not_reforming(context)
         await self._not_tensor_parallel(context)
         t = self.transitions
         if t is not None and (t.role is not None or t.transitioning):
@@ -327,6 +350,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 f"({type(exc).__name__}: {exc}); healed to a whole instance")
 
     async def PrepareTransition(self, request: worker_pb2.TransitionSpec, context: grpc.aio.ServicerContext):
+        await self._not_reforming(context)
         await self._not_tensor_parallel(context)
         return await self._transition(context, lambda t: t.prepare(request), request.epoch)
 
@@ -379,6 +403,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         assert self.cluster is not None
         if request.timeout_s < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s: must be >= 0")
+        await self._not_reforming(context)
         t = self.transitions
         if t is not None and (t.role is not None or t.transitioning):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -422,6 +447,67 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             while len(self.streams) and time.monotonic() < closing:
                 await asyncio.sleep(DRAIN_POLL_S)
         return len(started - left), len(left)
+
+    # -- elastic tensor parallelism: cold re-form (the memory manager's TransformTP / SplitTP) ---------------------
+    def _reforming_message(self) -> str:
+        new = self.reform
+        what = "a whole instance" if new is None or len(new.members) == 1 else \
+            f"rank {new.rank} of TP{len(new.members)} ({', '.join(new.members)})"
+        return f"worker {self.identity.worker_id} is re-forming as {what}; retry shortly"
+
+    def _current_tp(self) -> tuple[str, ...]:
+        return self.tp.members if self.tp is not None else (self.identity.worker_id,)
+
+    async def ReformTP(self, request: worker_pb2.ReformTPRequest, context: grpc.aio.ServicerContext):
+        wid = self.identity.worker_id
+        members = tuple(request.members)
+        if self.reform is not None:
+            await context.abort(grpc.StatusCode.ABORTED, self._reforming_message())
+        if self.transitioning:
+            await context.abort(grpc.StatusCode.ABORTED, f"worker {wid} is in a drop / restore transition; retry "
+                                "when it has finished")
+        host = request.host or self.identity.address.rsplit(":", 1)[0]
+        port = request.port
+        if len(members) > 1 and request.rank == 0 and port == 0:
+            port = pick_free_port()
+        new = TPArgs(members, request.rank, port, host if len(members) > 1 else "", request.rendezvous_timeout_s)
+        try:
+            new.check(wid)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        why = check_model_degree(self.whole_model, len(members)) if self.whole_model is not None else None
+        if why is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        if request.drain_timeout_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "drain_timeout_s: must be >= 0")
+        if members == self._current_tp():
+            return worker_pb2.ReformTPReply(worker_id=wid, reforming=False, port=self.tp.port if self.tp else 0,
+                                            host=self.tp.host if self.tp else "")
+        await self._free_for_reform(context, len(members) > 1)
+        self.reform = new
+        self.log.info("tensor_parallel_reform", members=list(members), rank=new.rank, port=port, host=host)
+        finished, handed_over = await self._drain(request.drain_timeout_s)
+        asyncio.get_running_loop().call_later(REEXEC_AFTER_S, os.kill, os.getpid(), signal.SIGTERM)
+        return worker_pb2.ReformTPReply(worker_id=wid, reforming=True, port=port, host=host, finished=finished,
+                                        handed_over=handed_over)
+
+    async def _free_for_reform(self, context, joining: bool) -> None:
+        """FAILED_PRECONDITION unless this worker may change its tensor-parallel membership now: not in a pipeline
+        group, holding every layer, in service (not standby or draining), and to join an instance a whole one."""
+        wid = self.identity.worker_id
+        t = self.transitions
+        if t is not None and t.role is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker {wid} is in pipeline group {t.unit_id}: "
+                                "restore it before a tensor-parallel re-form")
+        start, end = self.instance.layer_range
+        if (start, end) != (0, self.identity.num_layers_model):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker {wid} holds layers [{start}, {end}) of "
+                                f"{self.identity.num_layers_model}: restore its dropped layers first")
+        if self.cluster is not None and not self.cluster.in_service:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.cluster.why_not_serving())
+        if joining and self.tp is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker {wid} is {self.tp.describe()}: split "
+                                "it (kunctl tp-split) before it joins another instance")
 
     async def shutdown(self) -> None:
         """End every in-flight stream with UNAVAILABLE, stop the engine thread (off the event loop: joining it

@@ -11,6 +11,11 @@ of those would act on one member's shard alone.
 When the instance breaks (a member died or hangs) every member stops serving and exits with EXIT_BROKEN, so a
 supervisor starts all of them again and they meet at a fresh rendezvous; rank 0's requests end as lost on the way,
 and the dispatcher resumes them elsewhere.
+
+A membership may also come from the command line (`--tp-members w0,w1 --tp-rank R --tp-port P`, `TPArgs`): the
+memory manager's cold re-form (`ReformTP`) re-executes a worker with them, overriding [[tensor_parallel]]; one member
+makes it a whole instance whatever the config says. A supervisor restarts a worker with its original command line,
+so a runtime member that breaks (EXIT_BROKEN) comes back as configured: that is how a broken re-formed instance heals.
 """
 
 from __future__ import annotations
@@ -18,15 +23,19 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
-from kunserve.shared.config import ClusterConfig
+from kunserve.shared.config import ClusterConfig, ConfigError, TensorParallelSection
 from kunserve.shared.engine.engine import InstanceBroken
 from kunserve.shared.engine.loop import EngineLoop, EngineStopped
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader, check_same_blocks
 from kunserve.shared.log import get_logger
-from kunserve.shared.model.tp_shard import sharded_source
+from kunserve.shared.model.tp_shard import degree_error, sharded_source
 from kunserve.shared.model.weights import ModelSource
 
 EXIT_BROKEN = 3  # the worker's exit status after its tensor-parallel instance broke
@@ -44,6 +53,7 @@ class TPMembership:
     timeout_s: float
     rendezvous_timeout_s: float
     group: TPGroup | None = None
+    whole: ModelSource | None = None  # the unsharded model (its fingerprint is the cluster's)
     leader: TPLeader | None = None
     follower: TPFollower | None = None
     exited_broken: bool = False
@@ -59,7 +69,7 @@ class TPMembership:
 
     @property
     def where(self) -> str:
-        return f"tensor_parallel[{self.index}]"
+        return f"tensor_parallel[{self.index}]" if self.index >= 0 else "--tp-members"
 
     def describe(self) -> str:
         return f"rank {self.rank} of tensor-parallel instance {self.members[0]} (TP{self.degree}: {', '.join(self.members)})"
@@ -67,6 +77,7 @@ class TPMembership:
     # -- start-up --------------------------------------------------------------------------------------------
     def shard(self, source: ModelSource) -> ModelSource:
         """The model as this rank holds it (ValueError naming the section when the degree does not fit)."""
+        self.whole = source
         try:
             return sharded_source(source, self.rank, self.degree)
         except ValueError as exc:
@@ -171,3 +182,125 @@ def membership_of(cfg: ClusterConfig, worker_id: str) -> TPMembership | None:
         tp.timeout_s,
         tp.rendezvous_timeout_s,
     )
+
+
+@dataclass(frozen=True)
+class TPArgs:
+    """A runtime tensor-parallel membership from the worker's command line (a cold re-form): it overrides the config's
+    [[tensor_parallel]]; a single member is a whole instance."""
+
+    members: tuple[str, ...]
+    rank: int = 0
+    port: int = 0
+    host: str = ""  # rank 0's host; empty: rank 0's configured host
+    rendezvous_timeout_s: float = 0.0  # 0: [[tensor_parallel]]'s default
+
+    def check(self, worker_id: str) -> None:
+        """ValueError with what is wrong."""
+        members = self.members
+        if not members or any(not m for m in members):
+            raise ValueError("tensor-parallel members: must be non-empty worker ids")
+        if len(set(members)) != len(members):
+            raise ValueError(f"tensor-parallel members {list(members)}: a worker is named twice")
+        if len(members) not in (1, 2, 4):
+            raise ValueError(f"tensor-parallel members {list(members)}: an instance spans 1, 2 or 4 workers")
+        if worker_id not in members:
+            raise ValueError(f"tensor-parallel members {list(members)}: this worker ({worker_id}) is not one of them")
+        if members.index(worker_id) != self.rank:
+            raise ValueError(f"tensor-parallel rank {self.rank}: {worker_id} is member {members.index(worker_id)} of {list(members)}")
+        if len(members) > 1 and self.port <= 0:
+            raise ValueError("tensor-parallel port: a rendezvous port > 0 is needed for more than one member")
+        if self.rendezvous_timeout_s < 0:
+            raise ValueError("tensor-parallel rendezvous timeout: must be >= 0")
+
+    def argv(self) -> list[str]:
+        """The worker flags that give this membership."""
+        out = ["--tp-members", ",".join(self.members), "--tp-rank", str(self.rank)]
+        if len(self.members) > 1:
+            out += ["--tp-port", str(self.port)]
+            if self.host:
+                out += ["--tp-host", self.host]
+            if self.rendezvous_timeout_s:
+                out += ["--tp-rendezvous-timeout", f"{self.rendezvous_timeout_s:g}"]
+        return out
+
+
+TP_FLAGS = ("--tp-members", "--tp-rank", "--tp-port", "--tp-host", "--tp-rendezvous-timeout")
+
+
+def runtime_membership(cfg: ClusterConfig, worker_id: str, args: TPArgs) -> TPMembership | None:
+    """The membership `args` give (None: a whole instance). ValueError when they are inconsistent, or the model's
+    heads / intermediate size do not divide by the degree (checked when the shard is cut)."""
+    args.check(worker_id)
+    if len(args.members) == 1:
+        return None
+    host = args.host
+    if not host:
+        try:
+            host = cfg.worker(args.members[0]).host
+        except ConfigError:
+            raise ValueError(f"--tp-host: rank 0 ({args.members[0]}) is not a configured worker; give its host") from None
+    defaults = TensorParallelSection()
+    return TPMembership(
+        -1, args.rank, args.members, host, args.port, defaults.timeout_s, args.rendezvous_timeout_s or defaults.rendezvous_timeout_s
+    )
+
+
+def reform_argv(argv: Sequence[str], new: TPArgs) -> list[str]:
+    """The worker's command line (without the program) with its --tp-* flags replaced by `new`'s."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in TP_FLAGS:
+            skip = True
+            continue
+        if a.split("=", 1)[0] in TP_FLAGS:
+            continue
+        out.append(a)
+    return out + new.argv()
+
+
+def pick_free_port(bind: str = "") -> int:
+    """A TCP port nothing listens on now (the OS's pick). Another process may take it before the rendezvous store
+    binds it; the followers then time out and every member heals back to a whole instance."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((bind, 0))
+        return int(s.getsockname()[1])
+
+
+def close_on_exec(first: int = 3) -> list[int]:
+    """Mark every open descriptor from `first` up close-on-exec (Python opens its own so, but sockets and files that
+    native libraries opened may not be); returns the ones that were inheritable."""
+    fixed: list[int] = []
+    try:
+        fds = [int(x) for x in os.listdir("/proc/self/fd")]
+    except OSError:
+        return fixed
+    for fd in fds:
+        if fd < first:
+            continue
+        try:
+            if os.get_inheritable(fd):
+                os.set_inheritable(fd, False)
+                fixed.append(fd)
+        except OSError:
+            pass  # the listing's own descriptor, already closed
+    return fixed
+
+
+def reexec(argv: Sequence[str]) -> NoReturn:
+    """Replace this process with a fresh worker run with `argv` (same pid: the launcher keeps tracking it); nothing
+    but stdin, stdout and stderr crosses the exec."""
+    fixed = close_on_exec()
+    get_logger().info("worker_reexec", argv=list(argv), made_close_on_exec=fixed)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "kunserve.services.worker", *argv])
+
+
+def check_model_degree(source: ModelSource, degree: int) -> str | None:
+    """Why the model cannot run at `degree` (None: it can; 1 always can)."""
+    return None if degree == 1 else degree_error(source.config, degree)

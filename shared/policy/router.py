@@ -56,7 +56,7 @@ class FreenessRouter:
     workers: dict[str, RoutingLoad] = field(default_factory=dict)
     _pending: dict[str, dict[str, _Pending]] = field(default_factory=dict)
     # worker -> dispatcher clock at which it refused a request (FAILED_PRECONDITION): it stays
-    # not serving until a report taken after that moment says otherwise.
+    # not serving until a report taken after that moment says otherwise (and worth waiting for until then).
     _refused_at: dict[str, float] = field(default_factory=dict)
 
     def update(self, load: RoutingLoad) -> None:
@@ -65,7 +65,7 @@ class FreenessRouter:
             if load.report_time <= refused:
                 # A report taken before the refusal (an older poll answering late) cannot undo it.
                 load.serving = False
-            else:
+            elif load.serving:
                 del self._refused_at[load.worker_id]
         self.workers[load.worker_id] = load
         # Requests routed before this report was taken are now part of its numbers.
@@ -123,9 +123,12 @@ class FreenessRouter:
 
     def may_become_routable(self, exclude: set[str] | frozenset[str] = frozenset()) -> bool:
         """Some worker outside `exclude` is alive (healthy), so waiting for a routable one makes sense
-        (it is forming a group, dropped layers, or refused a request moments ago). False when every
-        candidate is dead or excluded: waiting would only delay the error."""
-        return any(load.healthy for wid, load in self.workers.items() if wid not in exclude)
+        (it is forming a group, dropped layers, or refused a request moments ago), or refused a request as not
+        serving and has not reported serving since (a tensor-parallel re-form restarts it in place: it answers
+        nothing until it serves again; route_timeout_s bounds the wait). False when every candidate is dead or
+        excluded: waiting would only delay the error."""
+        return any(load.healthy for wid, load in self.workers.items() if wid not in exclude) or any(
+            wid in self.workers and wid not in exclude for wid in self._refused_at)
 
     def routed(self, worker_id: str, request_id: str, num_tokens: int, now: float, *, offline: bool = False) -> None:
         """Count a request routed to `worker_id` at `now` (the dispatcher clock at routing, which is

@@ -1,0 +1,136 @@
+"""Elastic tensor parallelism by cold re-form in a real 2-worker cluster (README "Elastic tensor parallelism (Gyges)").
+
+Each worker's pool holds the whole model with KV for fewer tokens than a long request needs, while a TP2 shard leaves
+room for it: the long request is refused (INVALID_ARGUMENT) by the whole instances, served after `kunctl tp` with the
+whole model's greedy tokens, and after `kunctl tp-split` both workers serve alone again with a short request's tokens
+unchanged. The workers re-execute in place (same pids, no pool memory carried across the exec) and stop by themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+
+import grpc
+import pytest
+from helpers import check_against_reference, generate_many, internal_channel, kunctl_argv, make_config, reference_for, run
+from oracle import compare_greedy
+
+from kunserve import client
+from kunserve.cli.launcher import LocalCluster
+from kunserve.v1 import common_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+MEMBERS = ["worker-0", "worker-1"]
+# 26 MiB pools of 256 KiB pages: a whole instance keeps KV for 1280 tokens, a TP2 shard for 5632
+POOL = dict(pool_mib=26, page_kib=256)
+LONG = [(i * 7 + 3) % 4000 + 10 for i in range(1300)]
+SHORT = [5, 6, 7, 8, 9]
+DURING = 600  # tokens of the request that runs while the cluster re-forms
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cfg = make_config(2, budget="fixed", lookahead=False, **POOL)  # no profile to measure: a quick start
+    c = LocalCluster(cfg, run_dir=tmp_path_factory.mktemp("tp-reform"))
+    c.start(timeout_s=120)
+    yield c
+    c.stop()
+
+
+def generate(cluster, prompt, rid: str, max_tokens: int):
+    req = client.make_request(prompt, request_id=rid, max_tokens=max_tokens, ignore_eos=True)
+    (res,) = run(generate_many(cluster.cfg.dispatcher.address, [req]))
+    return res
+
+
+def kunctl(cluster, *args) -> dict:
+    out = subprocess.run(kunctl_argv(cluster, *args, "--json"), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def kunctl_during_a_request(cluster, rid: str, *args) -> tuple[dict, client.GenerationResult]:
+    """Run kunctl once a request has streamed its first token; the request's result (it survives the re-form: handed
+    over, it re-prefills on the new layout) and the report. A request that finishes first is checked all the same."""
+    req = client.make_request(SHORT, request_id=rid, max_tokens=DURING, ignore_eos=True)
+
+    async def scenario():
+        started = asyncio.Event()
+        async with client.insecure_channel(cluster.cfg.dispatcher.address) as ch:
+            running = asyncio.ensure_future(client.generate(ch, req, timeout=240, on_event=lambda _ev: started.set()))
+            await asyncio.wait_for(started.wait(), 120)
+            proc = await asyncio.create_subprocess_exec(
+                *kunctl_argv(cluster, *args, "--json"), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+            out, err = await proc.communicate()
+            assert proc.returncode == 0, err.decode()
+            return json.loads(out), await running
+
+    return run(scenario(), timeout=300)
+
+
+def tp_members(cluster, worker_id: str) -> list[str]:
+    async def info():
+        async with internal_channel(cluster, cluster.cfg.worker(worker_id).address) as ch:
+            return await worker_pb2_grpc.WorkerStub(ch).GetInfo(common_pb2.Empty(), timeout=10)
+
+    return list(run(info()).tp_members)
+
+
+def memfds(pid: int) -> int:
+    """Memory-pool memfds the process holds (one per pool; a leak across the exec would add the old one)."""
+    return sum(1 for fd in os.listdir(f"/proc/{pid}/fd") if "memfd:" in os.readlink(f"/proc/{pid}/fd/{fd}"))
+
+
+def test_a_long_request_is_served_after_a_reform_and_the_split_restores_whole_instances(cluster):
+    pids = {w: cluster.child(w).proc.pid for w in MEMBERS}
+    pool_fds = {w: memfds(pid) for w, pid in pids.items()}
+    short_before = generate(cluster, SHORT, "short-before", 8)
+    compare_greedy(short_before.token_ids, *reference_for(SHORT, 8))
+
+    refused = generate(cluster, LONG, "long-refused", 8)
+    assert isinstance(refused, grpc.aio.AioRpcError), refused
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV" in refused.details()
+
+    rep, during = kunctl_during_a_request(cluster, "during-tp", "tp", "--group", ",".join(MEMBERS))
+    check_against_reference(SHORT, during.token_ids, DURING)
+    assert rep["completed"] and rep["degree"] == 2 and rep["members"] == MEMBERS, rep
+    assert [i["members"] for i in rep["after"]] == [MEMBERS]
+    assert rep["after"][0]["kv_tokens"] >= len(LONG) + 8 > max(i["kv_tokens"] for i in rep["before"])
+    assert tp_members(cluster, "worker-1") == MEMBERS
+
+    long = generate(cluster, LONG, "long-tp2", 8)
+    assert not isinstance(long, BaseException), long
+    assert long.worker_id == "worker-0"  # rank 0 is the instance; the follower takes no requests
+    compare_greedy(long.token_ids, *reference_for(LONG, 8))
+
+    again = subprocess.run(kunctl_argv(cluster, "tp", "--group", ",".join(MEMBERS)), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 1 and "FAILED_PRECONDITION" in again.stderr and "already in tensor-parallel" in again.stderr
+
+    rep, during = kunctl_during_a_request(cluster, "during-split", "tp-split", "--group", "worker-1")
+    check_against_reference(SHORT, during.token_ids, DURING)
+    assert rep["completed"] and rep["op"] == "tp-split", rep
+    assert sorted(i["members"] for i in rep["after"]) == [["worker-0"], ["worker-1"]]
+    assert {w: tp_members(cluster, w) for w in MEMBERS} == {w: [w] for w in MEMBERS}
+    results = run(
+        generate_many(
+            cluster.cfg.dispatcher.address,
+            [client.make_request(SHORT, request_id=f"short-after-{i}", max_tokens=8, ignore_eos=True) for i in range(4)],
+        )
+    )
+    assert all(not isinstance(r, BaseException) for r in results), results
+    assert all(r.token_ids == short_before.token_ids for r in results)
+
+    # the same processes throughout (the launcher keeps tracking them), each with one pool's memory
+    assert {w: cluster.child(w).proc.pid for w in MEMBERS} == pids
+    assert all(cluster.child(w).exit_code() is None for w in MEMBERS)
+    assert {w: memfds(pid) for w, pid in pids.items()} == pool_fds
+
+
+def test_every_worker_stops_by_itself(cluster):
+    codes = cluster.stop()
+    assert all(code == 0 for code in codes.values()), codes
