@@ -495,6 +495,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     assert lib is not None
     b, h, d = q.shape
     kvh, bs = cache.shape[2], cache.shape[3]
+    if cache.shape[4] != d or h % kvh:
+        raise ValueError(f"decode attention: {h} query heads of {d} over a cache of {kvh} KV heads of {cache.shape[4]}")
     tables = block_tables.contiguous()
     lens = context_lens.contiguous()
     out = torch.empty(b, h, d, dtype=torch.float32)
@@ -532,6 +534,9 @@ def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos:
     block / K-V / head strides) at (slot_blocks[t], slot_offsets[t])."""
     lib = _library()
     assert lib is not None and qkv.stride(1) == 1 and _token_rows_contiguous(cache) and cos.is_contiguous()
+    if cache.shape[2] != kv_heads or cache.shape[4] != head_dim or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim:
+        raise ValueError(f"rope_store: {kv_heads} KV heads of {head_dim} for a cache of {cache.shape[2]} of "
+                         f"{cache.shape[4]} and qkv rows of {qkv.shape[1]}")
     blocks, offsets = slot_blocks.contiguous(), slot_offsets.contiguous()
     rc = lib.kunserve_rope_store(qkv.shape[0], heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
                                  positions.data_ptr(), qkv.data_ptr(), qkv.stride(0), cache.data_ptr(), cache.shape[0],

@@ -1000,6 +1000,9 @@ class Engine:
         shrink it when the tail blocks are free (else BlockAllocatorError: compact first). Returns the
         new block count. Call between steps."""
         self._settle_checkpoints()
+        if self.kv.kv_heads_per_block != self.cfg.num_kv_heads:
+            raise ValueError(f"KV storage blocks hold {self.kv.kv_heads_per_block} KV heads, this model needs "
+                             f"{self.cfg.num_kv_heads}: a head-split storage's block ids name sub-blocks")
         new = self._capacity()
         old = self.allocator.num_blocks
         if new > old:

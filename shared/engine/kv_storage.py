@@ -26,6 +26,11 @@ class KVStorage(Protocol):
     @property
     def num_blocks(self) -> int: ...
 
+    @property
+    def kv_heads_per_block(self) -> int:
+        """KV heads each block holds: the model's, or 1/degree of them after a tensor-parallel head split."""
+        ...
+
     def layer_cache(self, layer: int) -> torch.Tensor: ...
 
 
@@ -42,6 +47,10 @@ class TorchKVStorage:
     def num_blocks(self) -> int:
         return self._num_blocks
 
+    @property
+    def kv_heads_per_block(self) -> int:
+        return next(iter(self._caches.values())).shape[2] if self._caches else 0
+
     def layer_cache(self, layer: int) -> torch.Tensor:
         return self._caches[layer]
 
@@ -52,8 +61,8 @@ class TorchKVStorage:
         if first is None:
             return
         heads = first.shape[2]
-        if degree < 1 or heads % degree:
-            raise ValueError(f"degree {degree} does not divide the {heads} KV heads per block")
+        if degree < 2 or heads % degree:
+            raise ValueError(f"degree {degree}: a head split needs a degree >= 2 that divides the {heads} KV heads per block")
         for layer, cache in self._caches.items():
             phys = kv_layout.physical_view(cache)
             self._caches[layer] = kv_layout.logical_view(phys.view(phys.shape[0] * degree, heads // degree,

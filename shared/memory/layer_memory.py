@@ -169,7 +169,8 @@ class RemapResult:
 class HeadSplitResult:
     """What `split_kv_heads` did: the KV ranges read at `1/degree` of the heads per block, no page touched.
 
-    `kv_pages_before == kv_pages_after` (per layer) and `pages_mapped == pages_unmapped == 0`. With a plan,
+    Pages are read from the pool before and after (per layer KV range; pool-wide mapped and unmapped), so a split
+    that touched a page would show it; `kv_pages_before == kv_pages_after` and no page mapped or unmapped. With a plan,
     `staging_bytes` is the extra memory the exchange needs per layer (one phase's staging) and `kv_major` what the
     K/V-major layout would need for the same merge (reserved pages for every received sub-block, and a trim copy
     of the kept heads)."""
@@ -380,6 +381,10 @@ class LayerMemoryLayout:
                 f"{self.kv_spec.block_bytes}-byte KV block per layer")
 
     # ------------------------------------------------------------------ views
+    @property
+    def kv_heads_per_block(self) -> int:
+        return self.kv_spec.num_kv_heads
+
     def layer_cache(self, layer: int) -> torch.Tensor:
         """KV tensor of a held layer: `[num_blocks, 2, num_kv_heads, block_size, head_dim]`.
 
@@ -769,14 +774,15 @@ class LayerMemoryLayout:
         between members (`kv_head_split.plan_head_split`) is the caller's; give its `plan` to have its staging and
         the K/V-major baseline reported. Re-fetch `layer_cache` afterwards (`generation` changes)."""
         spec = self.kv_spec
-        if degree < 1 or spec.num_kv_heads % degree:
-            raise ValueError(f"degree {degree} does not divide the {spec.num_kv_heads} KV heads per block")
+        if degree < 2 or spec.num_kv_heads % degree:
+            raise ValueError(f"degree {degree}: a head split needs a degree >= 2 that divides the {spec.num_kv_heads} "
+                             "KV heads per block")
         old_blocks = self.num_blocks
         if plan is not None and (plan.degree != degree or plan.num_blocks != old_blocks
                                  or plan.num_kv_heads != spec.num_kv_heads):
             raise ValueError(f"the plan is for degree {plan.degree}, {plan.num_blocks} blocks of {plan.num_kv_heads} "
                              f"heads; this layout has {old_blocks} blocks of {spec.num_kv_heads} heads (degree {degree})")
-        pages_before = self._k
+        pages_before, pool_mapped_before = self._kv_pages_mapped(), self.pool.mapped_count
         self.kv_spec = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads // degree)
         self._kv_cache.clear()
         self.generation += 1
@@ -785,8 +791,14 @@ class LayerMemoryLayout:
             staging = kv_head_split.header_centric_split_cost(plan, spec.block_bytes).extra_bytes
             baseline = kv_head_split.kv_major_split_cost([list(m) for m in plan.block_maps], spec.num_kv_heads,
                                                          spec.block_bytes, self.pool.page_size)
+        pool_mapped_after = self.pool.mapped_count
         return HeadSplitResult(degree, old_blocks, self.num_blocks, spec.block_bytes, self.kv_spec.block_bytes,
-                               pages_before, self._k, 0, 0, self.generation, staging, baseline)
+                               pages_before, self._kv_pages_mapped(), max(0, pool_mapped_after - pool_mapped_before),
+                               max(0, pool_mapped_before - pool_mapped_after), self.generation, staging, baseline)
+
+    def _kv_pages_mapped(self) -> int:
+        """Pages mapped under one held layer's KV range, read from the range itself (every layer has as many)."""
+        return max((vr.mapped_count() for vr in self._kv.values()), default=0)
 
     # ------------------------------------------------------------------ building blocks
     def _make_arena(self, key: str, specs: Sequence[TensorSpec]) -> _Arena:

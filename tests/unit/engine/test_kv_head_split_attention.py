@@ -143,3 +143,35 @@ def test_running_sequences_keep_their_kv_through_a_head_split(monkeypatch, path,
             out = tp._decode(qr.contiguous(), st.layer_cache(0), build_metadata([], [], decodes, [], BS))
             for i in range(len(seqs)):
                 assert torch.equal(out[i], ref[i][r * hq : (r + 1) * hq])
+
+
+def test_an_engine_refuses_to_follow_a_split_storage_and_the_kernels_refuse_a_head_mismatch():
+    """A split storage's block ids name sub-blocks of fewer heads: an engine built for the whole model must not grow its
+    allocator over them, and the kernels must not read or write a cache whose head count is not the caller's."""
+    from engine_testing import weights_for
+
+    from kunserve.shared.engine.api import EngineRequest, SamplingParams
+    from kunserve.shared.engine.engine import Engine
+    from kunserve.shared.model.architecture import TINY_CONFIG
+
+    eng = Engine(TINY_CONFIG, weights_for(TINY_CONFIG), num_kv_blocks=16, block_size=8)
+    eng.generate([EngineRequest("r", list(range(1, 12)), SamplingParams(max_tokens=2, ignore_eos=True))])
+    with pytest.raises(ValueError, match="a head split needs a degree >= 2"):
+        eng.kv.split_kv_heads(1)
+    eng.kv.split_kv_heads(2)
+    with pytest.raises(ValueError, match="KV storage blocks hold 1 KV heads"):
+        eng.sync_kv_capacity()
+    assert eng.allocator.num_blocks == 16
+    if not cpu_kernels.fused_layer_ops_supported(torch.float32, torch.device("cpu"), 64):
+        pytest.skip("the compiled CPU kernels are not available here")
+    cache = eng.kv.layer_cache(0)  # [32, 2, 1, 8, 64]: one KV head per sub-block
+    q = torch.randn(1, TINY_CONFIG.num_heads, 64)
+    with pytest.raises(ValueError, match="decode attention"):
+        cpu_kernels.decode_attention(q, cache[:, :, :, :, :32], torch.zeros(1, 1, dtype=torch.long),
+                                     torch.ones(1, dtype=torch.long), 1.0)
+    qkv = torch.randn(1, (TINY_CONFIG.num_heads + 2 * TINY_CONFIG.num_kv_heads) * 64)
+    cos = torch.ones(8, 64)
+    with pytest.raises(ValueError, match="rope_store"):
+        cpu_kernels.rope_store(qkv, TINY_CONFIG.num_heads, TINY_CONFIG.num_kv_heads, 64, cos, cos,
+                               torch.zeros(1, dtype=torch.long), cache, torch.zeros(1, dtype=torch.long),
+                               torch.zeros(1, dtype=torch.long))
