@@ -8,7 +8,12 @@ token budget, and by benchmarks. One file may hold many profiles::
          "model": ..., "dtype": ..., "layers": [start, end], "device": ...,
          "kunserve": {"alpha", "beta", "gamma", "lambda"}, "conserve": {"k1" .. "k5"},
          "fit": {"kunserve": {...errors...}, "conserve": {...}, "train_points", "heldout_points"},
+         "loop_overhead": {"iteration_s", "per_sequence_s", "points", "mean_abs_err_s"},
          "samples": [[phase, [[c, p], ...], seconds], ...]}}}
+
+`loop_overhead` is what an engine iteration costs beyond the forward pass (scheduling, sampling, bookkeeping:
+`profiler.measure_loop_overhead`); a file written before it was measured has none, which reads as zero with
+`points` 0, so a reader can say the profile prices forward passes alone.
 
 The device string includes the CPU thread count: on a CPU the cost of a batch depends on it as much
 as on the chip.
@@ -20,10 +25,10 @@ import json
 import os
 import pathlib
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from kunserve.shared.policy.costmodel import ConServeLatencyModel, KunServeCostModel, Sample
+from kunserve.shared.policy.costmodel import ConServeLatencyModel, KunServeCostModel, LoopOverhead, Sample
 
 FORMAT = "kunserve-profile/1"
 
@@ -69,6 +74,7 @@ class Profile:
     samples: list[Sample]
     created_unix_s: float = 0.0
     torch_version: str = ""
+    loop: LoopOverhead = field(default_factory=LoopOverhead)
 
     @property
     def key(self) -> str:
@@ -78,7 +84,7 @@ class Profile:
         return {"model": self.model, "dtype": self.dtype, "layers": list(self.layers), "device": self.device,
                 "created_unix_s": self.created_unix_s, "torch": self.torch_version,
                 "kunserve": self.kunserve.to_dict(), "conserve": self.conserve.to_dict(), "fit": self.fit,
-                "samples": [s.to_json() for s in self.samples]}
+                "loop_overhead": self.loop.to_dict(), "samples": [s.to_json() for s in self.samples]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Profile:
@@ -87,8 +93,9 @@ class Profile:
                        device=str(d["device"]), kunserve=KunServeCostModel.from_dict(d["kunserve"]),
                        conserve=ConServeLatencyModel.from_dict(d["conserve"]), fit=dict(d.get("fit", {})),
                        samples=[Sample.from_json(s) for s in d.get("samples", [])],
-                       created_unix_s=float(d.get("created_unix_s", 0.0)), torch_version=str(d.get("torch", "")))
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
+                       created_unix_s=float(d.get("created_unix_s", 0.0)), torch_version=str(d.get("torch", "")),
+                       loop=LoopOverhead.from_dict(d.get("loop_overhead") or {}))
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise ProfileError(f"malformed profile entry: {exc!r}") from None
 
 

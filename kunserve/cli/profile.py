@@ -105,6 +105,9 @@ def cmd_profile(args: argparse.Namespace) -> None:
                   f"lambda={k.lam:.4g} s")
     console.print(f"ConServe: k1={c.k1:.4g}, k2={c.k2:.4g}, k3={c.k3:.4g} (not identifiable on one device), "
                   f"k4={c.k4:.4g}, k5={c.k5:.4g} s")
+    if prof.loop.points:
+        console.print(f"engine loop beyond the forward pass: {1e3 * prof.loop.iteration_s:.3g} ms per iteration + "
+                      f"{1e3 * prof.loop.per_sequence_s:.3g} ms per sequence ({prof.loop.points} decode iterations)")
     hint = escape(f'[engine] profile = "{args.out}"')
     console.print(f"wrote [bold]{escape(args.out)}[/] ({escape(prof.key)}); use it with [bold]{hint}[/] "
                   "in the cluster config")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 import sys
 import time
@@ -43,6 +44,7 @@ from kunserve.sim.scenario import (
     load_scenario,
     machine_profile,
 )
+from kunserve.sim.serving import fit_serving, probe_trace, with_serving
 
 EXIT_BAD_INPUT = 2
 CLUSTER_FLAGS = (
@@ -56,6 +58,9 @@ CLUSTER_FLAGS = (
     "gpu_memory_gib",
     "network_gbps",
     "iteration_overhead_ms",
+    "sequence_overhead_ms",
+    "request_latency_ms",
+    "forward_scale",
 )
 VALIDATION_TARGETS = {"ttft_p50_s": 0.15, "tpot_p50_s": 0.15, "ttft_p99_s": 0.25, "output_tokens_per_s": 0.15}
 
@@ -248,6 +253,11 @@ def cmd_simulate(args: argparse.Namespace, defaults: dict[str, Any]) -> int:
         f"tokens each), time model {first.time.source}; {len(trace)} requests over {d['duration_s']:.1f} s; "
         f"rows: {', '.join(rows)} -> {out}"
     )
+    if first.time.source.startswith("profile") and not first.time.profile.loop.points:
+        console.print(
+            "note: the profile has no engine-loop overhead (written before it was measured): iterations cost their "
+            "forward pass alone; re-run `kunserve profile` to measure it"
+        )
     if calibration is not None:
         console.print(bench.calibration_line(calibration))
     runs: dict[str, list[dict]] = {}
@@ -419,19 +429,24 @@ def cmd_validate(args: argparse.Namespace, base: ClusterConfig, scenario: Scenar
         cluster.start(timeout_s=180.0)
     except ClusterStartError as exc:
         raise SimulateError(f"the real cluster failed to start: {exc}") from None
+    probe = probe_trace(ns.workers)
     try:
         time.sleep(1.0)
         from kunserve import client
 
-        outcome = bench.replay_with_progress(
-            trace,
-            cfg.dispatcher.address,
-            cfg.memory_manager.address,
-            label=f"real {policy}",
-            seed=args.seed,
-            timeout_s=args.request_timeout,
-            stop_flag=[False],
-            creds=client.credentials_from(cluster.cfg, environ={}),
+        creds = client.credentials_from(cluster.cfg, environ={})
+        before, outcome, after = (
+            bench.replay_with_progress(
+                t,
+                cfg.dispatcher.address,
+                cfg.memory_manager.address,
+                label=label,
+                seed=args.seed,
+                timeout_s=args.request_timeout,
+                stop_flag=[False],
+                creds=creds,
+            )
+            for t, label in ((probe, "serving-overhead probe"), (trace, f"real {policy}"), (probe, "serving-overhead probe again"))
         )
     finally:
         cluster.stop()
@@ -449,28 +464,56 @@ def cmd_validate(args: argparse.Namespace, base: ClusterConfig, scenario: Scenar
         profile=args.profile_file or path,
         profile_device=args.profile_device or device,
         iteration_overhead_ms=args.iteration_overhead_ms or 0.0,
+        sequence_overhead_ms=args.sequence_overhead_ms or 0.0,
+        request_latency_ms=args.request_latency_ms or 0.0,
     )
     setup = build_setup(cfg, spec, label=policy)
-    sim, _ = simulate_row(setup, trace, source, args)
-    table = validation_table(real, sim)
+    try:
+        serving = fit_serving(probe, [before.results, after.results], setup.time, setup.shape.num_layers)
+    except ValueError as exc:
+        raise SimulateError(str(exc)) from None
+    bare, _ = simulate_row(setup, trace, source, args)
+    measured = dataclasses.replace(setup, time=with_serving(setup.time, serving))
+    sim, _ = simulate_row(measured, trace, source, args)
+    table, bare_table = validation_table(real, sim), validation_table(real, bare)
     doc = {
         "policy": policy,
         "trace": {"source": source, **describe(trace)},
+        "serving_overhead": serving.to_dict(),
+        "probe": {
+            "trace": [r.__dict__ for r in probe],
+            "before": [r.to_dict() for r in before.results],
+            "after": [r.to_dict() for r in after.results],
+        },
         "metrics": table,
-        "time_model": setup.time.describe(),
+        "metrics_profile_only": bare_table,
+        "time_model": measured.time.describe(),
         "real": real,
         "simulated": sim,
+        "simulated_profile_only": bare,
     }
     bench._write_json(out / "validate.json", doc)
+    console.print(
+        f"  serving overhead measured by the probe ({serving.decode_points + serving.first_token_points} points, "
+        f"mean error {100 * serving.mean_rel_err:.0f}%): forward passes x{serving.forward_scale:.2f}, "
+        f"{1e3 * serving.iteration_s:.2f} ms per iteration + {1e3 * serving.per_sequence_s:.3f} ms per sequence, request "
+        f"latency {1e3 * serving.request_latency_s:.1f} ms"
+    )
     for name, row in table.items():
         if name == "drop_times_s":
             console.print(f"  drops at (s): real {[round(t, 1) for t in row['real']]}, simulated {[round(t, 1) for t in row['simulated']]}")
             continue
-        err = "-" if row["error"] is None else f"{100 * row['error']:+.0f}%"
         target = "" if row["target"] is None else f" (target <= {100 * row['target']:.0f}%)"
-        console.print(f"  {name}: real {row['real']}, simulated {row['simulated']}, error {err}{target}")
+        console.print(
+            f"  {name}: real {row['real']}, simulated {row['simulated']}, error {_err(row)}{target}; "
+            f"profile only: {bare_table[name]['simulated']}, error {_err(bare_table[name])}"
+        )
     console.print(f"wrote {out / 'validate.json'}")
     return 0
+
+
+def _err(row: dict[str, Any]) -> str:
+    return "-" if row["error"] is None else f"{100 * row['error']:+.0f}%"
 
 
 # -- parser --------------------------------------------------------------------------------------------------------------
@@ -505,7 +548,25 @@ def register(sub: Any) -> None:
     c.add_argument("--memory-utilization", type=float, help="share of each GPU's memory the pool takes (default 0.9)")
     c.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: the accelerator's)")
     c.add_argument("--network-gbps", type=float, help="bandwidth between instances (default 200 with an accelerator)")
-    c.add_argument("--iteration-overhead-ms", type=float, help="added to every simulated iteration (default 0)")
+    c.add_argument(
+        "--iteration-overhead-ms",
+        type=float,
+        help="serving overhead added to every simulated iteration, beyond the profile's loop overhead (default 0; "
+        "`--validate` measures it)",
+    )
+    c.add_argument(
+        "--sequence-overhead-ms", type=float, help="serving overhead per sequence in an iteration (default 0; `--validate` measures it)"
+    )
+    c.add_argument(
+        "--forward-scale",
+        type=float,
+        help="forward passes take this times the profile's prediction (default 1; `--validate` measures it)",
+    )
+    c.add_argument(
+        "--request-latency-ms",
+        type=float,
+        help="a request's way from the client to the dispatcher and its first token's way back (default 0; `--validate` measures it)",
+    )
     p.add_argument(
         "--policies", help="comma-separated overload policies / variants (default: the scenario's, else the config's policy.overload)"
     )

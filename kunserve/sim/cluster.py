@@ -43,6 +43,7 @@ from kunserve.services.dispatcher.servicer import ROUTE_RETRY_S
 from kunserve.services.worker.build import layerwise_every, make_microbatch_former, make_token_budget
 from kunserve.shared.config import ClusterConfig
 from kunserve.shared.engine.api import InvalidRequest
+from kunserve.shared.policy import dispatch_rules
 from kunserve.shared.policy.admission import Admission
 from kunserve.shared.policy.batch_scheduler import SchedulerConfig
 from kunserve.shared.policy.overload_policies import overload_handling
@@ -79,6 +80,7 @@ class SimRequest:
     ok: bool = False
     error: str = ""
     route_deadline: float = math.inf
+    served_by: list[str] = field(default_factory=list)  # the workers its tokens came from, in order (a move adds one)
 
     def result(self) -> RequestResult:
         """The bench's RequestResult of this request (the client sent it at its arrival)."""
@@ -301,21 +303,26 @@ class Simulation:
         self._arrived += 1
         if self._arrived < len(self.requests):
             self.at(self.requests[self._arrived].arrival_s, self._arrive)
-        self._accept(req)
+        if self.time.request_latency_s > 0:  # the client's send to the dispatcher (and the first token's way back)
+            self.at(self.now + self.time.request_latency_s, self._accept, req)
+        else:
+            self._accept(req)
 
     def _accept(self, req: SimRequest) -> None:
         now = self.now
         self.outstanding += 1
         if self.record_token_times:
             req.token_times = []
-        if req.prompt_tokens > self.limits.max_prompt_tokens:
-            lim = self.limits
-            bound = (
-                f"the model context of {lim.context_len}"
-                if lim.auto_prompt_tokens
-                else f"dispatcher.max_prompt_tokens = {lim.max_prompt_tokens}"
+        lim = self.limits
+        if req.prompt_tokens > lim.max_prompt_tokens:
+            message = dispatch_rules.prompt_too_long(
+                req.prompt_tokens,
+                "token ids",
+                context_len=lim.context_len,
+                max_prompt_tokens=lim.max_prompt_tokens,
+                auto_prompt_tokens=lim.auto_prompt_tokens,
             )
-            self._fail(req, f"INVALID_ARGUMENT: prompt: {req.prompt_tokens} token ids exceed {bound} tokens")
+            self._fail(req, f"INVALID_ARGUMENT: {message}")
             return
         inflight, tokens = self._bounds()
         refusal = self.admission.admit(req.request_id, req.prompt_tokens, now, max_inflight=inflight, max_queued_tokens=tokens)
@@ -328,23 +335,24 @@ class Simulation:
 
     def _bounds(self) -> tuple[int, int]:
         """DispatcherServicer._bounds over the router's view (every worker answers here)."""
-        live = len(self.workers)
-        loads = self.router.workers
-        kv = sum(w.kv_blocks_total * w.block_size for wid, w in loads.items() if self.router.routable(wid))
-        tokens = self.limits.max_queued_prompt_tokens or max(kv, self.limits.max_prompt_tokens)
-        return self.limits.max_inflight_per_worker * max(1, live), tokens
+        live, kv = dispatch_rules.capacity(self.router)
+        lim = self.limits
+        return dispatch_rules.admission_bounds(
+            max_inflight_per_worker=lim.max_inflight_per_worker,
+            max_queued_prompt_tokens=lim.max_queued_prompt_tokens,
+            max_prompt_tokens=lim.max_prompt_tokens,
+            live_workers=live,
+            kv_tokens=kv,
+        )
 
     def _route(self, req: SimRequest) -> None:
         if req.done:
             return
         now = self.now
         router = self.router
-        if req.offline:
-            wid = router.choose_offline(req.prompt_tokens + req.emitted + 1)
-        else:
-            wid = router.choose()
+        wid = dispatch_rules.choose_worker(router, offline=req.offline, tokens=req.prompt_tokens + req.emitted + 1)
         if wid is None:
-            if not router.may_become_routable() or now >= req.route_deadline:
+            if not dispatch_rules.may_wait_for_route(router, now, req.route_deadline):
                 self._fail(req, "UNAVAILABLE: no worker can take the request")
             else:
                 self.at(now + ROUTE_RETRY_S, self._route, req)
@@ -398,6 +406,8 @@ class Simulation:
             )
         now = self.now
         req.emitted += 1
+        if not req.served_by or req.served_by[-1] != req.worker_id:
+            req.served_by.append(req.worker_id)
         if index == 0:
             req.first_token_s = now
             self.admission.started(req.request_id, now)

@@ -70,6 +70,9 @@ CLUSTER_KEYS = {
     "gpu_memory_gib": float,
     "network_gbps": float,
     "iteration_overhead_ms": float,
+    "request_latency_ms": float,
+    "sequence_overhead_ms": float,
+    "forward_scale": float,
 }
 TRACE_KEYS = {
     "trace": str,
@@ -195,6 +198,9 @@ class ClusterSpec:
     gpu_memory_gib: float | None = None
     network_gbps: float | None = None
     iteration_overhead_ms: float = 0.0
+    request_latency_ms: float = 0.0
+    sequence_overhead_ms: float = 0.0
+    forward_scale: float = 1.0
 
     def check(self) -> None:
         if self.instances < 1:
@@ -207,8 +213,12 @@ class ClusterSpec:
             raise ScenarioError("give an accelerator (analytic roofline) or a profile file, not both")
         if self.network_gbps is not None and not (math.isfinite(self.network_gbps) and self.network_gbps > 0):
             raise ScenarioError(f"network_gbps must be > 0, got {self.network_gbps}")
-        if self.iteration_overhead_ms < 0:
-            raise ScenarioError(f"iteration_overhead_ms must be >= 0, got {self.iteration_overhead_ms}")
+        for name in ("iteration_overhead_ms", "request_latency_ms", "sequence_overhead_ms"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ScenarioError(f"{name} must be >= 0, got {value}")
+        if not (math.isfinite(self.forward_scale) and self.forward_scale > 0):
+            raise ScenarioError(f"forward_scale must be > 0, got {self.forward_scale}")
 
 
 def _pool_bytes(spec: ClusterSpec, acc: Accelerator | None, cfg: ClusterConfig) -> int:
@@ -240,10 +250,15 @@ def build_setup(
         memory = Memory(shape, _pool_bytes(spec, acc, cfg), cfg.engine.page_kib * 1024)
     except ShapeError as exc:
         raise ScenarioError(str(exc)) from None
-    overhead = spec.iteration_overhead_ms / 1e3
+    overheads = {
+        "iteration_overhead_s": spec.iteration_overhead_ms / 1e3,
+        "request_latency_s": spec.request_latency_ms / 1e3,
+        "sequence_overhead_s": spec.sequence_overhead_ms / 1e3,
+        "forward_scale": spec.forward_scale,
+    }
     if acc is not None:
         links = roofline_links(acc, spec.network_gbps if spec.network_gbps is not None else DEFAULT_NETWORK_GBPS)
-        time = TimeModel(roofline_profile(shape, acc), links, f"roofline {acc.name} x{spec.tp}", overhead)
+        time = TimeModel(roofline_profile(shape, acc), links, f"roofline {acc.name} x{spec.tp}", **overheads)
     else:
         path = spec.profile or local_profile
         if not path:
@@ -251,7 +266,7 @@ def build_setup(
         device = spec.profile_device if spec.profile else (spec.profile_device or local_device)
         profile = profile_from_file(path, shape, device)
         links = LOCAL_LINKS if spec.network_gbps is None else dataclasses.replace(LOCAL_LINKS, network=spec.network_gbps * 1e9 / 8)
-        time = TimeModel(profile, links, f"profile {path}: {profile.key}", overhead)
+        time = TimeModel(profile, links, f"profile {path}: {profile.key}", **overheads)
     return ClusterSetup(cfg, shape, memory, time, spec.instances, label)
 
 

@@ -15,7 +15,14 @@ token budget bounds):
   ``fit_kunserve``), so a roofline profile is what profiling that GPU would give if it ran at those efficiencies.
 
 An iteration's time is ConServe's prediction for its batch (its memory-access term prices a decode over long
-contexts, which Eq. 1 lacks), scaled to the layers a worker holds (a pipeline stage runs its share); the
+contexts, which Eq. 1 lacks), scaled to the layers a worker holds (a pipeline stage runs its share), plus what an
+engine iteration costs beyond its forward pass: the profile's measured loop overhead (a constant and a cost per
+sequence: scheduling, sampling, bookkeeping; zero in a profile written before it was measured) and a serving
+overhead and a forward-pass slowdown given by the user or measured by `--validate` on the live cluster (what the
+worker process, the dispatcher and the token streams add per iteration, and what sharing the cores costs the
+forward passes). A request reaches the dispatcher
+`request_latency_s` after the client sent it: its path through the processes before its first forward pass and
+its first token's way back, which a profile of one process cannot see. The
 pipeline's activations and logits, the KV exchange of a transition, weights a restore pulls and swapped KV take
 bytes / the bandwidth of the link they cross.
 """
@@ -66,11 +73,29 @@ class TimeModel:
     profile: Profile
     links: Links
     source: str  # "profile FILE: KEY" or "roofline ACCELERATOR x tp"
-    iteration_overhead_s: float = 0.0  # added to every iteration (what a profile of forward passes alone misses)
+    iteration_overhead_s: float = 0.0  # serving overhead added to every iteration, beyond the profile's loop overhead
+    request_latency_s: float = 0.0  # from the client's send to the dispatcher, first token's way back included
+    sequence_overhead_s: float = 0.0  # serving overhead per sequence in an iteration (its token's way to the client)
+    forward_scale: float = 1.0  # forward passes take this times the profile's prediction (contention on a live machine)
+
+    def __post_init__(self) -> None:
+        for name in ("iteration_overhead_s", "request_latency_s", "sequence_overhead_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
+        if not (math.isfinite(self.forward_scale) and self.forward_scale > 0):
+            raise ValueError(f"forward_scale must be finite and > 0, got {self.forward_scale}")
+
+    def forward_s(self, shape: BatchShape, layers: int, num_layers: int) -> float:
+        """The forward pass of `shape` over `layers` of the model's `num_layers` layers."""
+        return self.profile.conserve.shape_cost(shape) * self.forward_scale * layers / num_layers
 
     def step_s(self, shape: BatchShape, layers: int, num_layers: int) -> float:
-        """One iteration of `shape` over `layers` of the model's `num_layers` layers."""
-        return self.profile.conserve.shape_cost(shape) * layers / num_layers + self.iteration_overhead_s
+        """One iteration of `shape` over `layers` of the model's `num_layers` layers: the forward pass, the engine
+        loop's overhead around it and the serving overhead."""
+        forward = self.forward_s(shape, layers, num_layers)
+        serving = self.iteration_overhead_s + self.sequence_overhead_s * shape.num_chunks if shape.num_chunks else 0.0
+        return forward + self.profile.loop.cost(shape.num_chunks) + serving
 
     def describe(self) -> dict[str, object]:
         return {
@@ -78,7 +103,13 @@ class TimeModel:
             "conserve": self.profile.conserve.to_dict(),
             "kunserve": self.profile.kunserve.to_dict(),
             "fit": self.profile.fit,
+            "loop_overhead": self.profile.loop.to_dict()
+            if self.profile.loop.points
+            else "not in the profile (written before loop overheads were measured): zero",
+            "forward_scale": self.forward_scale,
             "iteration_overhead_s": self.iteration_overhead_s,
+            "sequence_overhead_s": self.sequence_overhead_s,
+            "request_latency_s": self.request_latency_s,
             "links_bytes_per_s": {"network": self.links.network, "host": self.links.host, "device": self.links.device},
         }
 

@@ -9,7 +9,8 @@ A worker holds a contiguous layer range and plays one of the engine's three role
   arrival would miss the TTFT SLO (``layerwise_preemption.should_preempt``).
 * pipeline-group **head**: ships microbatches through its stages, up to one per stage in flight, as
   ``Engine._step_pipelined`` does: the decodes spread over the microbatches while ``DecodeSplit`` says so, the
-  prompt chunks cut by the lookahead ``MicrobatchFormer`` when the queue is long; each microbatch runs the head's
+  prompt chunks cut by the lookahead ``MicrobatchFormer`` when the queue is long (the engine's own
+  ``head_schedule.LookaheadPlan`` picks each microbatch); each microbatch runs the head's
   layers, crosses to each later stage (activations over the network), runs there when the stage is free, and its
   logits come back; sequences in flight are pinned.
 * later **stage**: busy while it runs a microbatch of its head.
@@ -34,10 +35,10 @@ from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable, blocks_
 from kunserve.shared.policy.batch_scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence, TokenBudget
 from kunserve.shared.policy.cluster import Member, Unit, WorkerReport
 from kunserve.shared.policy.costmodel import BatchShape
+from kunserve.shared.policy.head_schedule import LookaheadPlan, online_queued_tokens, role_budget
 from kunserve.shared.policy.layerwise_preemption import IterationInFlight, should_preempt
 from kunserve.shared.policy.measured_latency import MeasuredLatencyModel
-from kunserve.shared.policy.microbatch import DecodeSplit, Microbatch, MicrobatchFormer, MicroChunk
-from kunserve.shared.policy.token_budget import SLOTokenBudget
+from kunserve.shared.policy.microbatch import DecodeSplit, MicrobatchFormer
 
 if TYPE_CHECKING:
     from kunserve.sim.cluster import SimRequest, Simulation
@@ -133,7 +134,7 @@ class SimWorker:
         # group head
         self.inflight: collections.deque[_Microbatch] = collections.deque()
         self.head_free_at = 0.0
-        self.plan: collections.deque[Microbatch] = collections.deque()
+        self.lookahead = LookaheadPlan(setup.former)
         self.decode_split = DecodeSplit()
         # later stage
         self.free_at = 0.0
@@ -163,13 +164,8 @@ class SimWorker:
     def _budget_for(self, group_size: int) -> None:
         """Engine._budget_for: the configured budget, under a fresh measured latency when it is ConServe's SLO
         budget (a group head's assumed scale: its number of stages, until measured)."""
-        budget = self.setup.budget
-        if not isinstance(budget, SLOTokenBudget):
-            self.latency = None
-            self.scheduler.use_budget(budget)
-            return
-        self.latency = MeasuredLatencyModel(budget.model, assumed_scale=float(max(1, group_size or 1)))
-        self.scheduler.use_budget(dataclasses.replace(budget, model=self.latency))
+        budget, self.latency = role_budget(self.setup.budget, float(max(1, group_size or 1)))
+        self.scheduler.use_budget(budget)
 
     def take_role(self, unit: Unit, kv_blocks: int, epoch: int) -> None:
         """Become what `unit` makes this worker (whole, head or stage) holding no request; the caller installs the
@@ -183,7 +179,7 @@ class SimWorker:
         self.requests.clear()
         self.held.clear()
         self.inflight.clear()
-        self.plan.clear()
+        self.lookahead.clear()
         self.iteration = None
         capacity = self.memory.blocks(*member.range)
         self.allocator = BlockAllocator(min(capacity, kv_blocks) if unit.is_group else capacity)
@@ -304,7 +300,7 @@ class SimWorker:
             offline,
             shape.tokens - offline,
             self._predict(shape) if cut else 0.0,
-            self._online_queued_tokens(chunks) if cut else 0,
+            online_queued_tokens(self.scheduler, chunks) if cut else 0,
         )
         self.iteration = it
         self.counters.iterations += 1
@@ -335,13 +331,6 @@ class SimWorker:
         it.end = it.start + cut_layer * per_layer + (self._step_s(rest, layers - cut_layer) if online else 0.0)
         self.counters.layerwise_preemptions += 1
         self.sim.at(it.end, self._iteration_done, it)
-
-    def _online_queued_tokens(self, chunks: list[ScheduledChunk]) -> int:
-        """Engine._online_queued_tokens: online prompt tokens still to prefill after this batch."""
-        batch = {id(c.seq): c.num_tokens for c in chunks}
-        sch = self.scheduler
-        left = (s.remaining - batch.get(id(s), 0) for s in (*sch.running, *sch.waiting) if not s.request.offline)
-        return sum(n for n in left if n > 1)
 
     def _iteration_done(self, it: _Iteration) -> None:
         if self.iteration is not it or self.sim.now != it.end:
@@ -400,32 +389,10 @@ class SimWorker:
         self._ship(chunks)
 
     def _next_microbatch(self, inflight: int) -> list[ScheduledChunk]:
-        """Engine._next_microbatch: the decode share while decode_split says so; the next lookahead microbatch
-        while a plan lasts (a microbatch that does not come out as planned drops the rest of the plan)."""
-        sch = self.scheduler
-        share = sch.decode_share(inflight) if self.decode_split.split else None
-        planned = self._planned_next(share if share is not None else sch.num_decoding())
-        if planned is None:
-            return sch.schedule(max_decodes=share)
-        chunks = sch.schedule(max_decodes=share, prompt_tokens=sum(c.num_tokens for c in planned))
-        ids = {c.request_id for c in planned}
-        got = [MicroChunk(c.seq.request_id, c.start, c.num_tokens) for c in chunks if c.seq.request_id in ids]
-        if got == planned:
-            self.plan.popleft()
-            self.counters.planned_microbatches += 1
-        else:
-            self.plan.clear()
+        """Engine._next_microbatch: the head's next microbatch by the engine's own `LookaheadPlan`."""
+        chunks = self.lookahead.next_microbatch(self.scheduler, inflight, self.decode_split.split)
+        self.counters.planned_microbatches = self.lookahead.planned
         return chunks
-
-    def _planned_next(self, decodes: int) -> Microbatch | None:
-        """Engine._planned_next: a new lookahead plan over the whole queue when none is left and it is long."""
-        former = self.setup.former
-        if not self.plan and not self.scheduler.config.max_prefill_chunk:
-            budget = max(1, self.scheduler.budget.max_tokens_for(0) - decodes)
-            items = self.scheduler.prompt_work()
-            if former.uses_lookahead(items, budget):
-                self.plan.extend(former.form(items, budget))
-        return self.plan[0] if self.plan else None
 
     def _ship(self, chunks: list[ScheduledChunk]) -> None:
         now = self.sim.now

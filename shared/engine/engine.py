@@ -44,10 +44,10 @@ from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.weights import Weights
 from kunserve.shared.policy.batch_scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence, TokenBudget
 from kunserve.shared.policy.costmodel import BatchShape
+from kunserve.shared.policy.head_schedule import LookaheadPlan, online_queued_tokens, role_budget
 from kunserve.shared.policy.layerwise_preemption import IterationInFlight, should_preempt
 from kunserve.shared.policy.measured_latency import MeasuredLatencyModel
-from kunserve.shared.policy.microbatch import DecodeSplit, Microbatch, MicrobatchFormer, MicroChunk
-from kunserve.shared.policy.token_budget import SLOTokenBudget
+from kunserve.shared.policy.microbatch import DecodeSplit, Microbatch, MicrobatchFormer
 
 __all__ = ["Engine", "SchedulerConfig", "PipelineLink", "GroupBroken", "InstanceBroken", "NotServing"]
 
@@ -150,11 +150,10 @@ class Engine:
         self._configured_budget = self.scheduler.budget
         self._latency: MeasuredLatencyModel | None = None
         self._budget_for(None)
-        # How the head cuts a long queue into microbatches (KunServe §4.3); None: the scheduler's token chunking.
-        # The worker sets it from engine.lookahead and its cost-model profile (services/worker/build.py).
-        self.former: MicrobatchFormer | None = None
-        self._plan: collections.deque[Microbatch] = collections.deque()  # lookahead microbatches still to ship
-        self.planned_microbatches = 0  # microbatches shipped as their lookahead plan said
+        # How the head cuts a long queue into microbatches (KunServe §4.3), the plan still to ship and how many went
+        # out as planned; its former None: the scheduler's token chunking. The worker sets the former from
+        # engine.lookahead and its cost-model profile (services/worker/build.py).
+        self.lookahead = LookaheadPlan()
         self.decode_split = DecodeSplit()  # whether the head spreads its decodes over the microbatches in flight
         # A transition's KV still landing (kv_landing.py): requests held out of the scheduler until theirs has
         # landed everywhere, and the blocks of held requests aborted meanwhile (freed once their KV landed).
@@ -384,7 +383,7 @@ class Engine:
             return self._run_local(batch, torch.tensor(ids, dtype=torch.long)).cpu(), sampled, chunks
         safepoint, online, online_sampled = cut
         self._publish_pass(IterationInFlight(time.monotonic(), self._predict(chunks), len(ids) - len(safepoint.keep),
-                                             len(safepoint.keep), self._online_queued_tokens(chunks)))
+                                             len(safepoint.keep), online_queued_tokens(self.scheduler, chunks)))
         try:
             logits = self._run_local(batch, torch.tensor(ids, dtype=torch.long), safepoint).cpu()
         finally:
@@ -460,13 +459,6 @@ class Engine:
                 # directly, not through the loop)
                 for rid in [r for r, t in self._taken_unannounced.items() if t < began]:
                     del self._taken_unannounced[rid]
-
-    def _online_queued_tokens(self, chunks: list[ScheduledChunk]) -> int:
-        """Prompt tokens of online requests still to prefill after this batch: an online arrival queues behind them."""
-        batch = {id(c.seq): c.num_tokens for c in chunks}
-        left = (s.remaining - batch.get(id(s), 0) for s in (*self.scheduler.running, *self.scheduler.waiting)
-                if not s.request.offline)
-        return sum(n for n in left if n > 1)
 
     def _safepoint(self, chunks: list[ScheduledChunk]
                    ) -> tuple[Safepoint, list[ScheduledChunk], list[ScheduledChunk]] | None:
@@ -548,37 +540,26 @@ class Engine:
             self.clock.begin_busy()
 
     def _next_microbatch(self, inflight: int) -> list[ScheduledChunk]:
-        """Schedule the head's next microbatch. Its decodes are, while decode_split says so, this microbatch's
-        share of the decoding requests (decode_share: with all of them in one microbatch, every other stage idles
-        during pure decode), else all of them. Its prompt chunks are the next lookahead microbatch while a plan
-        lasts, else the scheduler's token chunking. A microbatch that does not come out as planned (memory ran
-        short, a request left or was preempted) drops the rest of the plan; what was scheduled is valid either
-        way."""
-        sch = self.scheduler
-        share = sch.decode_share(inflight) if self.decode_split.split else None
-        planned = self._planned_next(share if share is not None else sch.num_decoding())
-        if planned is None:
-            return sch.schedule(max_decodes=share)
-        chunks = sch.schedule(max_decodes=share, prompt_tokens=sum(c.num_tokens for c in planned))
-        ids = {c.request_id for c in planned}
-        got = [MicroChunk(c.seq.request_id, c.start, c.num_tokens) for c in chunks if c.seq.request_id in ids]
-        if got == planned:
-            self._plan.popleft()
-            self.planned_microbatches += 1
-        else:
-            self._plan.clear()
-        return chunks
+        """Schedule the head's next microbatch: its share of the decodes while decode_split says so, the next
+        lookahead microbatch while a plan lasts (`LookaheadPlan.next_microbatch`)."""
+        return self.lookahead.next_microbatch(self.scheduler, inflight, self.decode_split.split)
 
-    def _planned_next(self, decodes: int) -> Microbatch | None:
-        """The next lookahead microbatch; a new plan over the whole queue when none is left and the former
-        finds the queue long. None: token chunking. A per-chunk cap (max_prefill_chunk) rules lookahead out."""
-        former = self.former
-        if not self._plan and former is not None and not self.scheduler.config.max_prefill_chunk:
-            budget = max(1, self.scheduler.budget.max_tokens_for(0) - decodes)
-            items = self.scheduler.prompt_work()
-            if former.uses_lookahead(items, budget):
-                self._plan.extend(former.form(items, budget))
-        return self._plan[0] if self._plan else None
+    @property
+    def former(self) -> MicrobatchFormer | None:
+        return self.lookahead.former
+
+    @former.setter
+    def former(self, former: MicrobatchFormer | None) -> None:
+        self.lookahead.former = former
+
+    @property
+    def planned_microbatches(self) -> int:
+        """Microbatches shipped as their lookahead plan said."""
+        return self.lookahead.planned
+
+    @property
+    def _plan(self) -> collections.deque[Microbatch]:
+        return self.lookahead.pending
 
     def _collect(self, link: PipelineLink, block: bool) -> list[TokenEvent]:
         """Results of the microbatches in flight, oldest first; waits for the first one when block."""
@@ -797,7 +778,7 @@ class Engine:
             self._ckpt.reset()
         self.seqs.clear()
         self._inflight.clear()
-        self._plan.clear()
+        self.lookahead.clear()
         self._landing = None
         self._held.clear()
         self._held_aborted.clear()
@@ -844,7 +825,7 @@ class Engine:
             for seq in self.scheduler.running:  # their device KV is not trusted: neither are checkpoints taken from it
                 self._ckpt.forget(seq.request_id)
         self._inflight.clear()
-        self._plan.clear()
+        self.lookahead.clear()
         self.scheduler.pinned.clear()
         self._requeue_held()
         for seq in list(self.scheduler.running):
@@ -920,13 +901,8 @@ class Engine:
         (ConServe's SLO budget): a whole instance's iterations, or as a group head its microbatches' round trips,
         assumed until measured to take `link.max_inflight` times the profile's prediction: a round trip waits behind
         every other microbatch in flight, as if nothing overlapped (a live group keeps one in flight per stage)."""
-        budget = self._configured_budget
-        if not isinstance(budget, SLOTokenBudget):
-            self._latency = None
-            self.scheduler.use_budget(budget)
-            return
-        self._latency = MeasuredLatencyModel(budget.model, assumed_scale=float(max(1, link.max_inflight)) if link else 1.0)
-        self.scheduler.use_budget(dataclasses.replace(budget, model=self._latency))
+        budget, self._latency = role_budget(self._configured_budget, float(max(1, link.max_inflight)) if link else 1.0)
+        self.scheduler.use_budget(budget)
 
     def _take_role(self, link: PipelineLink | None, kv_limit: int | None, seqs: Iterable[SeqSnapshot],
                    landing: KVLanding | None = None) -> None:

@@ -11,10 +11,17 @@ prefill with a cached prefix, decode (batch size x context) and mixed batches (d
 chunk, what the token budget builds). Every point is the median of `repeats` timed runs after one
 warm-up run. One point in four (per phase, seeded) is held out of the fit and only used to report
 its error.
+
+A forward pass is not all of an iteration: `measure_loop_overhead` then runs a real `Engine` on the same weights
+through decode batches of several sizes, times each `Engine.step` plus the stats snapshot the engine loop takes
+after it, and fits what they cost beyond the ConServe prediction for the same batch (`costmodel.LoopOverhead`: a
+constant per iteration and a cost per sequence). Decode iterations only: a decode step is priced within a few
+percent by the fit, while the fit's own error on a prefill (up to ~10 %) is larger than the overhead itself.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -28,7 +35,18 @@ from kunserve.shared.engine.kv_storage import TorchKVStorage
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.weights import Weights
-from kunserve.shared.policy.costmodel import Chunk, Sample, fit_conserve, fit_kunserve, relative_errors, split_holdout
+from kunserve.shared.policy.costmodel import (
+    BatchShape,
+    Chunk,
+    ConServeLatencyModel,
+    LoopOverhead,
+    Sample,
+    fit_conserve,
+    fit_kunserve,
+    fit_loop_overhead,
+    relative_errors,
+    split_holdout,
+)
 from kunserve.shared.profile_files import Profile
 
 GridPoint = tuple[str, tuple[Chunk, ...]]
@@ -206,5 +224,47 @@ def profile_layers(cfg: ModelConfig, weights: Weights, *, model: str, layers: tu
     timer = BatchTimer(cfg, weights, layers, device, block_size=block_size, max_blocks=grid_blocks(grid, block_size))
     samples = measure_grid(timer, grid, repeats or (3 if quick else 7), progress)
     del timer
-    return fit_profile(samples, model=model, dtype=cfg.dtype, layers=layers, device_sig=device_sig,
-                       torch_version=torch.__version__)
+    run = fit_profile(samples, model=model, dtype=cfg.dtype, layers=layers, device_sig=device_sig,
+                      torch_version=torch.__version__)
+    if layers == (0, cfg.num_layers):
+        run.profile.loop = measure_loop_overhead(cfg, weights, run.profile.conserve, device=device,
+                                                 block_size=block_size, quick=quick)
+    return run
+
+
+# Decode batches the loop overhead is measured on: (requests, prompt tokens, generated tokens). Sizes 1 to 32 separate
+# the per-iteration constant from the per-sequence cost; contexts stay short so no batch nears MAX_DECODE_CONTEXT.
+LOOP_BATCHES = ((1, 32, 33), (4, 32, 33), (16, 32, 33), (32, 32, 33))
+LOOP_BATCHES_QUICK = ((1, 32, 17), (8, 32, 17), (32, 32, 17))
+
+
+def measure_loop_overhead(cfg: ModelConfig, weights: Weights, model: ConServeLatencyModel, *,
+                          device: str | torch.device = "cpu", block_size: int = 16, quick: bool = True,
+                          batches: Iterable[tuple[int, int, int]] | None = None, seed: int = 0) -> LoopOverhead:
+    """What a whole-model `Engine` iteration costs beyond `model`'s prediction for its batch: each batch of
+    `batches` runs to completion on a fresh request set, every decode iteration is timed (step + stats, as
+    `EngineLoop` runs them) and `fit_loop_overhead` fits the difference. Weights are not packed, as in the worker's
+    memory pool. Runs one warm-up batch first (allocator, lazy kernels)."""
+    from kunserve.shared.engine.api import EngineRequest, SamplingParams
+    from kunserve.shared.engine.engine import Engine
+
+    plan = list(batches if batches is not None else (LOOP_BATCHES_QUICK if quick else LOOP_BATCHES))
+    blocks = max(n * blocks_needed(p + o + 1, block_size) for n, p, o in plan) + 1
+    engine = Engine(cfg, weights, num_kv_blocks=blocks, block_size=block_size, device=device, pack_weights=False)
+    scheduled: list[BatchShape] = []
+    engine.on_schedule = lambda chunks: scheduled.append(BatchShape.of((c.num_tokens, c.start) for c in chunks))
+    rng = random.Random(seed)
+    steps: list[tuple[BatchShape, float]] = []
+    for k, (n, prompt, out) in enumerate([(1, 16, 4), *plan]):
+        for i in range(n):
+            ids = [rng.randrange(cfg.vocab_size) for _ in range(prompt)]
+            engine.add_request(EngineRequest(f"loop-{k}-{i}", ids, SamplingParams(max_tokens=out, ignore_eos=True)))
+        while engine.has_work():
+            scheduled.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            engine.stats()
+            seconds = time.perf_counter() - t0
+            if k > 0 and len(scheduled) == 1 and scheduled[0].tokens == scheduled[0].num_chunks:
+                steps.append((scheduled[0], seconds))
+    return fit_loop_overhead(steps, model)

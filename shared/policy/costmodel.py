@@ -177,6 +177,50 @@ class ConServeLatencyModel:
         return cls(*(float(d.get(k, 0.0)) for k in ("k1", "k2", "k3", "k4", "k5")))
 
 
+# -- what an iteration costs beyond its forward pass -----------------------------------------------------------
+@dataclass(frozen=True)
+class LoopOverhead:
+    """Seconds an engine iteration spends outside the forward pass both models price: the scheduler's batch,
+    sampling, token bookkeeping and the stats snapshot, as `iteration_s` per iteration plus `per_sequence_s` per
+    chunk in the batch. Fitted from timed `Engine.step` calls against the ConServe prediction for the same batches
+    (`fit_loop_overhead`); `points` is how many iterations the fit saw (0: not measured)."""
+
+    iteration_s: float = 0.0
+    per_sequence_s: float = 0.0
+    points: int = 0
+    mean_abs_err_s: float = 0.0  # of the fit over the measured iterations
+
+    def cost(self, num_chunks: int) -> float:
+        return self.iteration_s + self.per_sequence_s * num_chunks if num_chunks > 0 else 0.0
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LoopOverhead:
+        out = cls(float(d.get("iteration_s", 0.0)), float(d.get("per_sequence_s", 0.0)), int(d.get("points", 0)),
+                  float(d.get("mean_abs_err_s", 0.0)))
+        if not all(math.isfinite(v) and v >= 0 for v in (out.iteration_s, out.per_sequence_s)):
+            raise ValueError(f"loop overhead must be finite and >= 0, got {d}")
+        return out
+
+
+def fit_loop_overhead(steps: Sequence[tuple[BatchShape, float]], model: ConServeLatencyModel) -> LoopOverhead:
+    """Least squares, non-negative, of measured - model.shape_cost(shape) over [1, chunks] (absolute residuals: an
+    overhead is a few hundred microseconds on steps from 3 to 50 ms, and relative weighting would let the short
+    steps alone decide it). Empty input: no overhead."""
+    rows, target = [], []
+    for shape, seconds in steps:
+        if shape.num_chunks > 0:
+            rows.append([1.0, float(shape.num_chunks)])
+            target.append(seconds - model.shape_cost(shape))
+    if not rows:
+        return LoopOverhead()
+    it, per = nnls(rows, target)
+    err = sum(abs(it + per * r[1] - y) for r, y in zip(rows, target, strict=True)) / len(rows)
+    return LoopOverhead(it, per, len(rows), err)
+
+
 # -- samples and fitting -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Sample:
