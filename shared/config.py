@@ -96,6 +96,10 @@ class DispatcherSection(ServiceSection):
     # How long a request may wait for a routable worker (all busy forming a group, or restarting)
     # before the client gets UNAVAILABLE.
     route_timeout_s: float = 30.0
+    # Transformation-aware routing (README "Elastic tensor parallelism (Gyges)"): a request longer than every routable
+    # instance's KV asks the memory manager, which may scale co-located whole instances up into a TP2 / TP4 instance
+    # for it (within route_timeout_s). Off: such a request is refused by the worker it is routed to.
+    elastic_tp: bool = False
     # Admission control: beyond these bounds a request is refused at once with RESOURCE_EXHAUSTED and a
     # retry hint (the message and the grpc-retry-pushback-ms trailer), so an accepted one is never starved.
     max_inflight_per_worker: int = 0  # requests in flight per routable worker; 0 = engine.max_num_seqs

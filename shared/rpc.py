@@ -57,6 +57,9 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/",)  # probes (compose, supervisors) ne
 # Trailing metadata on a stream a worker itself ends with UNAVAILABLE (shutting down, the request lost to a layout
 # change): the dispatcher resumes the request elsewhere without counting that worker as one that crashed under it.
 WORKER_END = "kunserve-worker-end"
+# Trailing metadata on a FAILED_PRECONDITION a worker gives while it re-forms its tensor-parallel instance (ReformTP):
+# it answers nothing while it re-executes, and the dispatcher waits for it (bounded) rather than failing requests.
+REFORMING = "kunserve-reforming"
 
 
 @dataclass(frozen=True)

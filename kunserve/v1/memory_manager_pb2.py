@@ -25,51 +25,57 @@ _sym_db = _symbol_database.Default()
 from kunserve.v1 import common_pb2 as kunserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kunserve/v1/memory_manager.proto\x12\x0bkunserve.v1\x1a\x18kunserve/v1/common.proto\"8\n\x12TransformTPRequest\x12\x12\n\nworker_ids\x18\x01 \x03(\t\x12\x0e\n\x06\x64\x65gree\x18\x02 \x01(\x05\"#\n\x0eSplitTPRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"C\n\nTPInstance\x12\x0f\n\x07members\x18\x01 \x03(\t\x12\x11\n\tkv_blocks\x18\x02 \x01(\x05\x12\x11\n\tkv_tokens\x18\x03 \x01(\x03\"\x83\x02\n\x08TPReport\x12\n\n\x02op\x18\x01 \x01(\t\x12\x11\n\tcompleted\x18\x02 \x01(\x08\x12\x0e\n\x06healed\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0f\n\x07members\x18\x05 \x03(\t\x12\x0e\n\x06\x64\x65gree\x18\x06 \x01(\x05\x12\'\n\x06\x62\x65\x66ore\x18\x07 \x03(\x0b\x32\x17.kunserve.v1.TPInstance\x12&\n\x05\x61\x66ter\x18\x08 \x03(\x0b\x32\x17.kunserve.v1.TPInstance\x12\x15\n\rtotal_seconds\x18\t \x01(\x01\x12\r\n\x05\x65poch\x18\n \x01(\x04\x12\x0c\n\x04port\x18\x0b \x01(\x05\x12\x13\n\x0bhanded_over\x18\x0c \x01(\x05\"\xf7\x01\n\x10ModelFingerprint\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\x11\n\tnum_heads\x18\x05 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\x05\x12\x19\n\x11intermediate_size\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x15\n\rmax_model_len\x18\t \x01(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x12\n\ncheckpoint\x18\x0b \x01(\t\"\xc1\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12,\n\x05model\x18\x03 \x01(\x0b\x32\x1d.kunserve.v1.ModelFingerprint\x12\x0f\n\x07standby\x18\x04 \x01(\x08\x12\x17\n\x0fmembers_version\x18\x05 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x03\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\"s\n\x13RegisterWorkerReply\x12\x0c\n\x04seed\x18\x01 \x01(\x08\x12\x17\n\x0fmembers_version\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x13\n\x0bheartbeat_s\x18\x04 \x01(\x01\x12\x0f\n\x07removed\x18\x05 \x01(\x08\"Q\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"H\n\x0eMigrateRequest\x12\x12\n\nsrc_worker\x18\x01 \x01(\t\x12\x12\n\ndst_worker\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x03\"\"\n\x0cGroupMembers\x12\x12\n\nworker_ids\x18\x01 \x03(\t\"y\n\x0b\x44ropRequest\x12\x17\n\x0frequired_blocks\x18\x01 \x01(\x03\x12\x16\n\x0erequired_bytes\x18\x02 \x01(\x03\x12)\n\x06groups\x18\x03 \x03(\x0b\x32\x19.kunserve.v1.GroupMembers\x12\x0e\n\x06reason\x18\x04 \x01(\t\"]\n\x0cPlannedGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12*\n\x07members\x18\x02 \x03(\x0b\x32\x19.kunserve.v1.WorkerLayout\x12\x0f\n\x07\x63hanged\x18\x03 \x01(\x08\"\xc5\x01\n\rDropPlanReply\x12\x0b\n\x03met\x18\x01 \x01(\x08\x12\x18\n\x10\x61utoscale_needed\x18\x02 \x01(\x08\x12\x10\n\x08\x66\x61llback\x18\x03 \x01(\t\x12\x16\n\x0erequired_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x66reed_bytes\x18\x05 \x01(\x03\x12\x14\n\x0c\x66reed_blocks\x18\x06 \x01(\x03\x12)\n\x06groups\x18\x07 \x03(\x0b\x32\x19.kunserve.v1.PlannedGroup\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\"\"\n\x0eRestoreRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\xe8\x03\n\x10TransitionReport\x12\n\n\x02op\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tcompleted\x18\x03 \x01(\x08\x12\x13\n\x0brolled_back\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12)\n\x06groups\x18\x06 \x03(\x0b\x32\x19.kunserve.v1.PlannedGroup\x12\x16\n\x0erequests_moved\x18\x07 \x01(\x05\x12\x16\n\x0ekv_bytes_moved\x18\x08 \x01(\x03\x12\x14\n\x0cplan_seconds\x18\t \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\n \x01(\x01\x12\x18\n\x10\x65xchange_seconds\x18\x0b \x01(\x01\x12\x15\n\rremap_seconds\x18\x0c \x01(\x01\x12\x15\n\rtotal_seconds\x18\r \x01(\x01\x12\x18\n\x10\x61utoscale_needed\x18\x0e \x01(\x08\x12\x18\n\x10kv_in_background\x18\x0f \x01(\x08\x12\x1f\n\x17weight_bytes_from_peers\x18\x10 \x01(\x03\x12\x1e\n\x16weight_bytes_from_host\x18\x11 \x01(\x03\x12$\n\x1cweight_bytes_from_checkpoint\x18\x12 \x01(\x03\x12\x15\n\rpause_seconds\x18\x13 \x01(\x01\"\xcc\x01\n\x0cWorkerLayout\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x11\n\treachable\x18\x06 \x01(\x08\x12\x18\n\x10transfer_address\x18\x07 \x01(\t\x12\x0f\n\x07serving\x18\x08 \x01(\x08\x12\x0e\n\x06joined\x18\t \x01(\x08\x12\x10\n\x08\x64raining\x18\n \x01(\x08\"3\n\rStandbyWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x9b\x01\n\x0e\x41utoscaleState\x12\x0e\n\x06scaler\x18\x01 \x01(\t\x12\x0e\n\x06needed\x18\x02 \x01(\x08\x12\x14\n\x0cneeded_for_s\x18\x03 \x01(\x01\x12\x0f\n\x07pending\x18\x04 \x01(\x05\x12\x19\n\x11standby_available\x18\x05 \x01(\x05\x12\x13\n\x0blast_action\x18\x06 \x01(\t\x12\x12\n\nlast_error\x18\x07 \x01(\t\"\xf3\x01\n\rClusterLayout\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x18\n\x10num_layers_model\x18\x02 \x01(\x05\x12*\n\x07workers\x18\x03 \x03(\x0b\x32\x19.kunserve.v1.WorkerLayout\x12\x17\n\x0fmembers_version\x18\x04 \x01(\x04\x12+\n\x07standby\x18\x05 \x03(\x0b\x32\x1a.kunserve.v1.StandbyWorker\x12.\n\tautoscale\x18\x06 \x01(\x0b\x32\x1b.kunserve.v1.AutoscaleState\x12\x17\n\x0fmembers_settled\x18\x07 \x01(\x08\x32\x89\x05\n\rMemoryManager\x12;\n\tGetLayout\x12\x12.kunserve.v1.Empty\x1a\x1a.kunserve.v1.ClusterLayout\x12@\n\x08PlanDrop\x12\x18.kunserve.v1.DropRequest\x1a\x1a.kunserve.v1.DropPlanReply\x12?\n\x04\x44rop\x12\x18.kunserve.v1.DropRequest\x1a\x1d.kunserve.v1.TransitionReport\x12\x45\n\x07Restore\x12\x1b.kunserve.v1.RestoreRequest\x1a\x1d.kunserve.v1.TransitionReport\x12\x45\n\x07Migrate\x12\x1b.kunserve.v1.MigrateRequest\x1a\x1d.kunserve.v1.TransitionReport\x12V\n\x0eRegisterWorker\x12\".kunserve.v1.RegisterWorkerRequest\x1a .kunserve.v1.RegisterWorkerReply\x12L\n\x10\x44\x65registerWorker\x12$.kunserve.v1.DeregisterWorkerRequest\x1a\x12.kunserve.v1.Empty\x12\x45\n\x0bTransformTP\x12\x1f.kunserve.v1.TransformTPRequest\x1a\x15.kunserve.v1.TPReport\x12=\n\x07SplitTP\x12\x1b.kunserve.v1.SplitTPRequest\x1a\x15.kunserve.v1.TPReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kunserve/v1/memory_manager.proto\x12\x0bkunserve.v1\x1a\x18kunserve/v1/common.proto\"=\n\x17PlaceLongRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\"\xf5\x01\n\x15PlaceLongRequestReply\x12\x39\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32).kunserve.v1.PlaceLongRequestReply.Action\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\x03\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\'\n\x08scale_up\x18\x05 \x01(\x0b\x32\x15.kunserve.v1.TPReport\"A\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\t\n\x05ROUTE\x10\x01\x12\x08\n\x04WAIT\x10\x02\x12\n\n\x06REFUSE\x10\x03\"8\n\x12TransformTPRequest\x12\x12\n\nworker_ids\x18\x01 \x03(\t\x12\x0e\n\x06\x64\x65gree\x18\x02 \x01(\x05\"#\n\x0eSplitTPRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"C\n\nTPInstance\x12\x0f\n\x07members\x18\x01 \x03(\t\x12\x11\n\tkv_blocks\x18\x02 \x01(\x05\x12\x11\n\tkv_tokens\x18\x03 \x01(\x03\"\x83\x02\n\x08TPReport\x12\n\n\x02op\x18\x01 \x01(\t\x12\x11\n\tcompleted\x18\x02 \x01(\x08\x12\x0e\n\x06healed\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0f\n\x07members\x18\x05 \x03(\t\x12\x0e\n\x06\x64\x65gree\x18\x06 \x01(\x05\x12\'\n\x06\x62\x65\x66ore\x18\x07 \x03(\x0b\x32\x17.kunserve.v1.TPInstance\x12&\n\x05\x61\x66ter\x18\x08 \x03(\x0b\x32\x17.kunserve.v1.TPInstance\x12\x15\n\rtotal_seconds\x18\t \x01(\x01\x12\r\n\x05\x65poch\x18\n \x01(\x04\x12\x0c\n\x04port\x18\x0b \x01(\x05\x12\x13\n\x0bhanded_over\x18\x0c \x01(\x05\"\xf7\x01\n\x10ModelFingerprint\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\x11\n\tnum_heads\x18\x05 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\x05\x12\x19\n\x11intermediate_size\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x15\n\rmax_model_len\x18\t \x01(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x12\n\ncheckpoint\x18\x0b \x01(\t\"\xc1\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12,\n\x05model\x18\x03 \x01(\x0b\x32\x1d.kunserve.v1.ModelFingerprint\x12\x0f\n\x07standby\x18\x04 \x01(\x08\x12\x17\n\x0fmembers_version\x18\x05 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x03\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\"s\n\x13RegisterWorkerReply\x12\x0c\n\x04seed\x18\x01 \x01(\x08\x12\x17\n\x0fmembers_version\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x13\n\x0bheartbeat_s\x18\x04 \x01(\x01\x12\x0f\n\x07removed\x18\x05 \x01(\x08\"Q\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"H\n\x0eMigrateRequest\x12\x12\n\nsrc_worker\x18\x01 \x01(\t\x12\x12\n\ndst_worker\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x03\"\"\n\x0cGroupMembers\x12\x12\n\nworker_ids\x18\x01 \x03(\t\"y\n\x0b\x44ropRequest\x12\x17\n\x0frequired_blocks\x18\x01 \x01(\x03\x12\x16\n\x0erequired_bytes\x18\x02 \x01(\x03\x12)\n\x06groups\x18\x03 \x03(\x0b\x32\x19.kunserve.v1.GroupMembers\x12\x0e\n\x06reason\x18\x04 \x01(\t\"]\n\x0cPlannedGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12*\n\x07members\x18\x02 \x03(\x0b\x32\x19.kunserve.v1.WorkerLayout\x12\x0f\n\x07\x63hanged\x18\x03 \x01(\x08\"\xc5\x01\n\rDropPlanReply\x12\x0b\n\x03met\x18\x01 \x01(\x08\x12\x18\n\x10\x61utoscale_needed\x18\x02 \x01(\x08\x12\x10\n\x08\x66\x61llback\x18\x03 \x01(\t\x12\x16\n\x0erequired_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x66reed_bytes\x18\x05 \x01(\x03\x12\x14\n\x0c\x66reed_blocks\x18\x06 \x01(\x03\x12)\n\x06groups\x18\x07 \x03(\x0b\x32\x19.kunserve.v1.PlannedGroup\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\"\"\n\x0eRestoreRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\xe8\x03\n\x10TransitionReport\x12\n\n\x02op\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tcompleted\x18\x03 \x01(\x08\x12\x13\n\x0brolled_back\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12)\n\x06groups\x18\x06 \x03(\x0b\x32\x19.kunserve.v1.PlannedGroup\x12\x16\n\x0erequests_moved\x18\x07 \x01(\x05\x12\x16\n\x0ekv_bytes_moved\x18\x08 \x01(\x03\x12\x14\n\x0cplan_seconds\x18\t \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\n \x01(\x01\x12\x18\n\x10\x65xchange_seconds\x18\x0b \x01(\x01\x12\x15\n\rremap_seconds\x18\x0c \x01(\x01\x12\x15\n\rtotal_seconds\x18\r \x01(\x01\x12\x18\n\x10\x61utoscale_needed\x18\x0e \x01(\x08\x12\x18\n\x10kv_in_background\x18\x0f \x01(\x08\x12\x1f\n\x17weight_bytes_from_peers\x18\x10 \x01(\x03\x12\x1e\n\x16weight_bytes_from_host\x18\x11 \x01(\x03\x12$\n\x1cweight_bytes_from_checkpoint\x18\x12 \x01(\x03\x12\x15\n\rpause_seconds\x18\x13 \x01(\x01\"\xcc\x01\n\x0cWorkerLayout\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x11\n\treachable\x18\x06 \x01(\x08\x12\x18\n\x10transfer_address\x18\x07 \x01(\t\x12\x0f\n\x07serving\x18\x08 \x01(\x08\x12\x0e\n\x06joined\x18\t \x01(\x08\x12\x10\n\x08\x64raining\x18\n \x01(\x08\"3\n\rStandbyWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x9b\x01\n\x0e\x41utoscaleState\x12\x0e\n\x06scaler\x18\x01 \x01(\t\x12\x0e\n\x06needed\x18\x02 \x01(\x08\x12\x14\n\x0cneeded_for_s\x18\x03 \x01(\x01\x12\x0f\n\x07pending\x18\x04 \x01(\x05\x12\x19\n\x11standby_available\x18\x05 \x01(\x05\x12\x13\n\x0blast_action\x18\x06 \x01(\t\x12\x12\n\nlast_error\x18\x07 \x01(\t\"\xf3\x01\n\rClusterLayout\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x18\n\x10num_layers_model\x18\x02 \x01(\x05\x12*\n\x07workers\x18\x03 \x03(\x0b\x32\x19.kunserve.v1.WorkerLayout\x12\x17\n\x0fmembers_version\x18\x04 \x01(\x04\x12+\n\x07standby\x18\x05 \x03(\x0b\x32\x1a.kunserve.v1.StandbyWorker\x12.\n\tautoscale\x18\x06 \x01(\x0b\x32\x1b.kunserve.v1.AutoscaleState\x12\x17\n\x0fmembers_settled\x18\x07 \x01(\x08\x32\xe7\x05\n\rMemoryManager\x12;\n\tGetLayout\x12\x12.kunserve.v1.Empty\x1a\x1a.kunserve.v1.ClusterLayout\x12@\n\x08PlanDrop\x12\x18.kunserve.v1.DropRequest\x1a\x1a.kunserve.v1.DropPlanReply\x12?\n\x04\x44rop\x12\x18.kunserve.v1.DropRequest\x1a\x1d.kunserve.v1.TransitionReport\x12\x45\n\x07Restore\x12\x1b.kunserve.v1.RestoreRequest\x1a\x1d.kunserve.v1.TransitionReport\x12\x45\n\x07Migrate\x12\x1b.kunserve.v1.MigrateRequest\x1a\x1d.kunserve.v1.TransitionReport\x12V\n\x0eRegisterWorker\x12\".kunserve.v1.RegisterWorkerRequest\x1a .kunserve.v1.RegisterWorkerReply\x12L\n\x10\x44\x65registerWorker\x12$.kunserve.v1.DeregisterWorkerRequest\x1a\x12.kunserve.v1.Empty\x12\x45\n\x0bTransformTP\x12\x1f.kunserve.v1.TransformTPRequest\x1a\x15.kunserve.v1.TPReport\x12=\n\x07SplitTP\x12\x1b.kunserve.v1.SplitTPRequest\x1a\x15.kunserve.v1.TPReport\x12\\\n\x10PlaceLongRequest\x12$.kunserve.v1.PlaceLongRequestRequest\x1a\".kunserve.v1.PlaceLongRequestReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kunserve.v1.memory_manager_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFORMTPREQUEST']._serialized_start=75
-  _globals['_TRANSFORMTPREQUEST']._serialized_end=131
-  _globals['_SPLITTPREQUEST']._serialized_start=133
-  _globals['_SPLITTPREQUEST']._serialized_end=168
-  _globals['_TPINSTANCE']._serialized_start=170
-  _globals['_TPINSTANCE']._serialized_end=237
-  _globals['_TPREPORT']._serialized_start=240
-  _globals['_TPREPORT']._serialized_end=499
-  _globals['_MODELFINGERPRINT']._serialized_start=502
-  _globals['_MODELFINGERPRINT']._serialized_end=749
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=752
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=945
-  _globals['_REGISTERWORKERREPLY']._serialized_start=947
-  _globals['_REGISTERWORKERREPLY']._serialized_end=1062
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1064
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1145
-  _globals['_MIGRATEREQUEST']._serialized_start=1147
-  _globals['_MIGRATEREQUEST']._serialized_end=1219
-  _globals['_GROUPMEMBERS']._serialized_start=1221
-  _globals['_GROUPMEMBERS']._serialized_end=1255
-  _globals['_DROPREQUEST']._serialized_start=1257
-  _globals['_DROPREQUEST']._serialized_end=1378
-  _globals['_PLANNEDGROUP']._serialized_start=1380
-  _globals['_PLANNEDGROUP']._serialized_end=1473
-  _globals['_DROPPLANREPLY']._serialized_start=1476
-  _globals['_DROPPLANREPLY']._serialized_end=1673
-  _globals['_RESTOREREQUEST']._serialized_start=1675
-  _globals['_RESTOREREQUEST']._serialized_end=1709
-  _globals['_TRANSITIONREPORT']._serialized_start=1712
-  _globals['_TRANSITIONREPORT']._serialized_end=2200
-  _globals['_WORKERLAYOUT']._serialized_start=2203
-  _globals['_WORKERLAYOUT']._serialized_end=2407
-  _globals['_STANDBYWORKER']._serialized_start=2409
-  _globals['_STANDBYWORKER']._serialized_end=2460
-  _globals['_AUTOSCALESTATE']._serialized_start=2463
-  _globals['_AUTOSCALESTATE']._serialized_end=2618
-  _globals['_CLUSTERLAYOUT']._serialized_start=2621
-  _globals['_CLUSTERLAYOUT']._serialized_end=2864
-  _globals['_MEMORYMANAGER']._serialized_start=2867
-  _globals['_MEMORYMANAGER']._serialized_end=3516
+  _globals['_PLACELONGREQUESTREQUEST']._serialized_start=75
+  _globals['_PLACELONGREQUESTREQUEST']._serialized_end=136
+  _globals['_PLACELONGREQUESTREPLY']._serialized_start=139
+  _globals['_PLACELONGREQUESTREPLY']._serialized_end=384
+  _globals['_PLACELONGREQUESTREPLY_ACTION']._serialized_start=319
+  _globals['_PLACELONGREQUESTREPLY_ACTION']._serialized_end=384
+  _globals['_TRANSFORMTPREQUEST']._serialized_start=386
+  _globals['_TRANSFORMTPREQUEST']._serialized_end=442
+  _globals['_SPLITTPREQUEST']._serialized_start=444
+  _globals['_SPLITTPREQUEST']._serialized_end=479
+  _globals['_TPINSTANCE']._serialized_start=481
+  _globals['_TPINSTANCE']._serialized_end=548
+  _globals['_TPREPORT']._serialized_start=551
+  _globals['_TPREPORT']._serialized_end=810
+  _globals['_MODELFINGERPRINT']._serialized_start=813
+  _globals['_MODELFINGERPRINT']._serialized_end=1060
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1063
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1256
+  _globals['_REGISTERWORKERREPLY']._serialized_start=1258
+  _globals['_REGISTERWORKERREPLY']._serialized_end=1373
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1375
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1456
+  _globals['_MIGRATEREQUEST']._serialized_start=1458
+  _globals['_MIGRATEREQUEST']._serialized_end=1530
+  _globals['_GROUPMEMBERS']._serialized_start=1532
+  _globals['_GROUPMEMBERS']._serialized_end=1566
+  _globals['_DROPREQUEST']._serialized_start=1568
+  _globals['_DROPREQUEST']._serialized_end=1689
+  _globals['_PLANNEDGROUP']._serialized_start=1691
+  _globals['_PLANNEDGROUP']._serialized_end=1784
+  _globals['_DROPPLANREPLY']._serialized_start=1787
+  _globals['_DROPPLANREPLY']._serialized_end=1984
+  _globals['_RESTOREREQUEST']._serialized_start=1986
+  _globals['_RESTOREREQUEST']._serialized_end=2020
+  _globals['_TRANSITIONREPORT']._serialized_start=2023
+  _globals['_TRANSITIONREPORT']._serialized_end=2511
+  _globals['_WORKERLAYOUT']._serialized_start=2514
+  _globals['_WORKERLAYOUT']._serialized_end=2718
+  _globals['_STANDBYWORKER']._serialized_start=2720
+  _globals['_STANDBYWORKER']._serialized_end=2771
+  _globals['_AUTOSCALESTATE']._serialized_start=2774
+  _globals['_AUTOSCALESTATE']._serialized_end=2929
+  _globals['_CLUSTERLAYOUT']._serialized_start=2932
+  _globals['_CLUSTERLAYOUT']._serialized_end=3175
+  _globals['_MEMORYMANAGER']._serialized_start=3178
+  _globals['_MEMORYMANAGER']._serialized_end=3921
 # @@protoc_insertion_point(module_scope)

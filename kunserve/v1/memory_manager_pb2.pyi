@@ -1,11 +1,44 @@
 from kunserve.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class PlaceLongRequestRequest(_message.Message):
+    __slots__ = ("request_id", "tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class PlaceLongRequestReply(_message.Message):
+    __slots__ = ("action", "worker_id", "max_tokens", "reason", "scale_up")
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ACTION_UNSPECIFIED: _ClassVar[PlaceLongRequestReply.Action]
+        ROUTE: _ClassVar[PlaceLongRequestReply.Action]
+        WAIT: _ClassVar[PlaceLongRequestReply.Action]
+        REFUSE: _ClassVar[PlaceLongRequestReply.Action]
+    ACTION_UNSPECIFIED: PlaceLongRequestReply.Action
+    ROUTE: PlaceLongRequestReply.Action
+    WAIT: PlaceLongRequestReply.Action
+    REFUSE: PlaceLongRequestReply.Action
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SCALE_UP_FIELD_NUMBER: _ClassVar[int]
+    action: PlaceLongRequestReply.Action
+    worker_id: str
+    max_tokens: int
+    reason: str
+    scale_up: TPReport
+    def __init__(self, action: _Optional[_Union[PlaceLongRequestReply.Action, str]] = ..., worker_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., reason: _Optional[str] = ..., scale_up: _Optional[_Union[TPReport, _Mapping]] = ...) -> None: ...
 
 class TransformTPRequest(_message.Message):
     __slots__ = ("worker_ids", "degree")

@@ -80,6 +80,11 @@ class MemoryManagerStub:
                 request_serializer=kunserve_dot_v1_dot_memory__manager__pb2.SplitTPRequest.SerializeToString,
                 response_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.TPReport.FromString,
                 _registered_method=True)
+        self.PlaceLongRequest = channel.unary_unary(
+                '/kunserve.v1.MemoryManager/PlaceLongRequest',
+                request_serializer=kunserve_dot_v1_dot_memory__manager__pb2.PlaceLongRequestRequest.SerializeToString,
+                response_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.PlaceLongRequestReply.FromString,
+                _registered_method=True)
 
 
 class MemoryManagerServicer:
@@ -154,6 +159,16 @@ class MemoryManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PlaceLongRequest(self, request, context):
+        """Transformation-aware routing (Gyges Algorithm 1): where a request longer than every routable instance's KV goes.
+        The answer names the instance (rank 0) that holds it, after a scale-up of co-located whole instances when one is
+        needed (the TransformTP path: ABORTED during a drop answers WAIT); WAIT when a layout could hold it but its
+        workers are busy; REFUSE with the cluster's maximum when no layout ever could.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +216,11 @@ def add_MemoryManagerServicer_to_server(servicer, server):
                     servicer.SplitTP,
                     request_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.SplitTPRequest.FromString,
                     response_serializer=kunserve_dot_v1_dot_memory__manager__pb2.TPReport.SerializeToString,
+            ),
+            'PlaceLongRequest': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlaceLongRequest,
+                    request_deserializer=kunserve_dot_v1_dot_memory__manager__pb2.PlaceLongRequestRequest.FromString,
+                    response_serializer=kunserve_dot_v1_dot_memory__manager__pb2.PlaceLongRequestReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -446,6 +466,33 @@ class MemoryManager:
             '/kunserve.v1.MemoryManager/SplitTP',
             kunserve_dot_v1_dot_memory__manager__pb2.SplitTPRequest.SerializeToString,
             kunserve_dot_v1_dot_memory__manager__pb2.TPReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlaceLongRequest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunserve.v1.MemoryManager/PlaceLongRequest',
+            kunserve_dot_v1_dot_memory__manager__pb2.PlaceLongRequestRequest.SerializeToString,
+            kunserve_dot_v1_dot_memory__manager__pb2.PlaceLongRequestReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -364,7 +364,14 @@ class WorkerTokenEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., moved_to: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "model_name", "num_layers_model", "layer_start", "layer_end", "vocab_size", "max_model_len", "block_size", "kv_blocks_total", "device", "dtype", "transfer_address", "group_id", "group_members", "epoch", "serving", "transitioning", "transfer_peers", "transition_epoch", "tp_degree", "tp_members")
+    __slots__ = ("worker_id", "address", "model_name", "num_layers_model", "layer_start", "layer_end", "vocab_size", "max_model_len", "block_size", "kv_blocks_total", "device", "dtype", "transfer_address", "group_id", "group_members", "epoch", "serving", "transitioning", "transfer_peers", "transition_epoch", "tp_degree", "tp_members", "kv_tokens_by_degree")
+    class KvTokensByDegreeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -387,6 +394,7 @@ class WorkerInfo(_message.Message):
     TRANSITION_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
     TP_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_BY_DEGREE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model_name: str
@@ -409,7 +417,8 @@ class WorkerInfo(_message.Message):
     transition_epoch: int
     tp_degree: int
     tp_members: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers_model: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., transfer_address: _Optional[str] = ..., group_id: _Optional[str] = ..., group_members: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., transitioning: _Optional[bool] = ..., transfer_peers: _Optional[_Iterable[str]] = ..., transition_epoch: _Optional[int] = ..., tp_degree: _Optional[int] = ..., tp_members: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_tokens_by_degree: _containers.ScalarMap[int, int]
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers_model: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., transfer_address: _Optional[str] = ..., group_id: _Optional[str] = ..., group_members: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., transitioning: _Optional[bool] = ..., transfer_peers: _Optional[_Iterable[str]] = ..., transition_epoch: _Optional[int] = ..., tp_degree: _Optional[int] = ..., tp_members: _Optional[_Iterable[str]] = ..., kv_tokens_by_degree: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class PeerAddress(_message.Message):
     __slots__ = ("worker_id", "transfer_address")

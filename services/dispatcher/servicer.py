@@ -40,10 +40,11 @@ from kunserve.shared.config import ClusterConfig
 from kunserve.shared.log import get_logger
 from kunserve.shared.model.generation_config import GenerationDefaults
 from kunserve.shared.model.tokenizer import TextStream
+from kunserve.shared.policy import dispatch_rules, long_requests
 from kunserve.shared.policy.admission import Admission, Refusal
 from kunserve.shared.policy.liveness import Liveness
 from kunserve.shared.policy.router import FreenessRouter, RoutingLoad
-from kunserve.shared.rpc import WORKER_END, channel
+from kunserve.shared.rpc import REFORMING, WORKER_END, channel
 from kunserve.shared.wire.cluster_state import report_from_pb
 from kunserve.shared.wire.requests import REQUEST_CLASSES, sampling_from_pb
 from kunserve.v1 import (
@@ -63,8 +64,10 @@ MAX_RESUMES = 3  # worker failures after the first token before the client gets 
 MAX_WORKER_CRASHES = 2
 MAX_MOVES = 32  # layout moves of one request (each is an attach): a bound against ping-pong
 ROUTE_RETRY_S = 0.05  # pause between polls while waiting for a routable worker
+PLACE_RETRY_S = 1.0  # dispatcher.elastic_tp: a request the memory manager told to wait asks again after this
 POLL_TIMEOUT_S = 1.0
 LAYOUT_TIMEOUT_S = 2.0
+REFORM_RESTART_MARGIN_S = 15.0  # past memory_manager.transition_timeout_s: a re-formed worker's restart (model load)
 # A worker that left the layout gets no new request at once; calls still open to it may finish for this long before
 # its channel closes (a drained worker has none; a dead one's fail on their own).
 LEFT_WORKER_GRACE_S = 300.0
@@ -76,6 +79,11 @@ MAX_STOP_STRING_LEN = 256
 
 # A worker stream that broke with one of these (or ended without a finish event) lost its worker.
 _WORKER_FAILURE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+def _reforming(exc: grpc.aio.AioRpcError | None) -> bool:
+    """The worker refused the request because it re-forms its tensor-parallel instance (it comes back shortly)."""
+    return exc is not None and any(k == REFORMING for k, _ in (exc.trailing_metadata() or ()))
 
 
 def _ended_by_worker(exc: grpc.aio.AioRpcError | None) -> bool:
@@ -189,7 +197,9 @@ class WorkerPool:
         for w in cfg.workers:
             self.add(w.id, w.address)
         self._kv_tokens_seen = 0  # the routable units' KV capacity when last there was one (see capacity)
+        self.elastic_tp = cfg.dispatcher.elastic_tp  # a request too long for every routable unit asks the memory manager
         self.router = FreenessRouter()
+        self.reform_wait_s = cfg.memory_manager.transition_timeout_s + REFORM_RESTART_MARGIN_S
         self.liveness = Liveness(cfg.dispatcher.stall_timeout_s if stall_timeout_s is None else stall_timeout_s)
         self.on_stall: list[Callable[[str, str], None]] = []  # (worker id, why): move its requests
         self.log = get_logger()
@@ -221,7 +231,7 @@ class WorkerPool:
             poller.cancel()
         self.stubs.pop(wid, None)
         self.addresses.pop(wid, None)
-        self.router.workers.pop(wid, None)
+        self.router.forget(wid)
         self._healthy.pop(wid, None)
         ch = self.channels.pop(wid, None)
         if ch is not None:
@@ -246,6 +256,13 @@ class WorkerPool:
             self.log.info("workers_draining", workers=sorted(draining))
         self.draining = draining
         self.members_version = layout.members_version
+
+    async def place_long(self, request_id: str, tokens: int, timeout: float) -> memory_manager_pb2.PlaceLongRequestReply:
+        """The memory manager's placement of a request of `tokens` whole-life tokens (it may scale instances up)."""
+        if self._mm_channel is None:
+            self._mm_channel = channel(self.memory_manager)
+        return await memory_manager_pb2_grpc.MemoryManagerStub(self._mm_channel).PlaceLongRequest(
+            memory_manager_pb2.PlaceLongRequestRequest(request_id=request_id, tokens=tokens), timeout=timeout)
 
     async def discover(self, timeout: float = LAYOUT_TIMEOUT_S) -> bool:
         """One GetLayout from the memory manager, applied; False when it did not answer (the pool stays as is)."""
@@ -308,7 +325,14 @@ class WorkerPool:
         online = s.num_running + s.num_waiting - s.num_offline_running - s.num_offline_waiting
         self.router.update(RoutingLoad(wid, s.kv_blocks_total, s.kv_blocks_used, s.queued_demand_blocks,
                                        s.block_size or 16, alive, sent, serving=serving, online_requests=online))
+        if s.reforming:
+            self.reforming(wid, sent)
         self.mark(wid, alive)
+
+    def reforming(self, wid: str, now: float) -> None:
+        """The worker said at `now` that it re-forms its tensor-parallel instance: requests that find nothing routable
+        wait for it while it re-executes, up to the re-form's timeout and the restart's margin."""
+        self.router.reforming(wid, now, now + self.reform_wait_s)
 
     async def refresh_one(self, wid: str, timeout: float = POLL_TIMEOUT_S) -> None:
         """One poll of the worker, shared: callers arriving while its poll is in flight await that one
@@ -368,9 +392,7 @@ class WorkerPool:
         worker in the middle of a drop serves again in a moment; a dead or stalled one does not count. A
         group's KV is its head's (the members share one block-id space), so a drop does not shrink the token
         bound; while no unit is routable (every worker mid-transition) the last capacity seen stands."""
-        loads = self.router.workers
-        live = sum(1 for w in loads.values() if w.healthy)
-        tokens = sum(w.kv_blocks_total * w.block_size for wid, w in loads.items() if self.router.routable(wid))
+        live, tokens = dispatch_rules.capacity(self.router)
         if tokens:
             self._kv_tokens_seen = tokens
         return live, tokens or self._kv_tokens_seen
@@ -439,9 +461,10 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
 
     # -- helpers ----------------------------------------------------------------------------------
     def _prompt_too_long(self, n: int, what: str) -> str:
-        bound = (f"the model context of {self.limits.context_len}" if self.limits.auto_prompt_tokens
-                 else f"dispatcher.max_prompt_tokens = {self.limits.max_prompt_tokens}")
-        return f"prompt: {n} {what} exceed {bound} tokens"
+        lim = self.limits
+        return dispatch_rules.prompt_too_long(n, what, context_len=lim.context_len,
+                                              max_prompt_tokens=lim.max_prompt_tokens,
+                                              auto_prompt_tokens=lim.auto_prompt_tokens)
 
     async def _prompt_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:
         """The prompt's token ids, measured before anything is tokenized or copied: a text longer than
@@ -486,8 +509,11 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
     def _bounds(self) -> tuple[int, int]:
         """(max in flight, max queued prompt tokens) now: they scale with the live workers (see capacity)."""
         live, kv_tokens = self.pool.capacity()
-        tokens = self.limits.max_queued_prompt_tokens or max(kv_tokens, self.limits.max_prompt_tokens)
-        return self.limits.max_inflight_per_worker * max(1, live), tokens
+        lim = self.limits
+        return dispatch_rules.admission_bounds(max_inflight_per_worker=lim.max_inflight_per_worker,
+                                               max_queued_prompt_tokens=lim.max_queued_prompt_tokens,
+                                               max_prompt_tokens=lim.max_prompt_tokens, live_workers=live,
+                                               kv_tokens=kv_tokens)
 
     def _admit(self, rid: str, prompt_tokens: int, now: float) -> Refusal | None:
         max_inflight, max_tokens = self._bounds()
@@ -782,9 +808,12 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             await self._resume_or_give_up(record, wid, failures)
             return
         if code == grpc.StatusCode.FAILED_PRECONDITION:
-            # Alive but not routable (dropped layers, forming a group): wait for a poll that says it
+            # Alive but not routable (dropped layers, forming a group, re-forming): wait for a poll that says it
             # serves again; it is not excluded for this request.
-            self.pool.router.refused(wid, time.monotonic())
+            if _reforming(exc):
+                self.pool.reforming(wid, time.monotonic())
+            else:
+                self.pool.router.refused(wid, time.monotonic())
             self.log.info("worker_not_serving_retrying", request_id=rid, worker=wid, emitted=len(record.token_ids),
                           error=details)
             if seg.received:
@@ -833,21 +862,38 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         if record.route_deadline is None:
             record.route_deadline = time.monotonic() + self.route_timeout_s
         polled = logged = False
+        asked_at, waiting_for = -PLACE_RETRY_S, ""
         while True:
             if record.cancelled or record.shutting_down or record.expired or self.stopping:
                 return None
             avoid = dead | self.pool.draining
-            if _offline(record):  # where online work leaves the most room
-                wid = router.choose_offline(len(record.prompt_token_ids) + len(record.token_ids) + 1, exclude=avoid)
-            else:
-                wid = router.choose(exclude=avoid)
+            if self.pool.elastic_tp:
+                whole_life = len(record.prompt_token_ids) + record.max_tokens
+                fits, small = long_requests.split_by_fit(router, whole_life, exclude=avoid)
+                avoid = avoid | set(small)  # they would refuse it (INVALID_ARGUMENT)
+                if small and not fits:
+                    if time.monotonic() - asked_at >= PLACE_RETRY_S:
+                        asked_at = time.monotonic()
+                        placed, waiting_for = await self._place_long(record, whole_life)
+                        if placed is not None:
+                            return placed
+                    if time.monotonic() >= record.route_deadline:
+                        raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                           f"request {record.request_id!r}: prompt + max_tokens = {whole_life} tokens "
+                                           "exceed every routable instance's KV, and no instance held it within "
+                                           f"dispatcher.route_timeout_s = {self.route_timeout_s:g} s: {waiting_for}")
+                    await self._pause(record, ROUTE_RETRY_S)
+                    await self.pool.refresh()
+                    continue
+            wid = dispatch_rules.choose_worker(router, offline=_offline(record),
+                                               tokens=len(record.prompt_token_ids) + len(record.token_ids) + 1,
+                                               exclude=avoid)
             if wid is not None:
                 if logged:
                     self.log.info("routable_worker_found", request_id=record.request_id, worker=wid)
                 return wid
             if polled:
-                alive = router.may_become_routable(exclude=avoid)
-                if not alive or time.monotonic() >= record.route_deadline:
+                if not dispatch_rules.may_wait_for_route(router, time.monotonic(), record.route_deadline, exclude=avoid):
                     raise RequestError(grpc.StatusCode.UNAVAILABLE, self._no_route_message(record, dead, failures))
                 if not logged:
                     logged = True
@@ -856,6 +902,41 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                 await self._pause(record, ROUTE_RETRY_S)
             await self.pool.refresh()  # maybe a worker is just coming (back) up or finished a transition
             polled = True
+
+    async def _place_long(self, record: RequestRecord, whole_life: int) -> tuple[str | None, str]:
+        """dispatcher.elastic_tp: ask the memory manager where a request too long for every routable unit goes (it
+        may scale co-located instances up first, within the request's route deadline). (worker, "") to route to;
+        (None, why) to wait; RequestError INVALID_ARGUMENT naming the cluster's maximum when no layout could hold it."""
+        assert record.route_deadline is not None
+        timeout = max(1.0, record.route_deadline - time.monotonic())
+        try:
+            reply = await self.pool.place_long(record.request_id, whole_life, timeout)
+        except grpc.aio.AioRpcError as exc:
+            return None, f"the memory manager's placement: {exc.code().name}: {exc.details()}"
+        Reply = memory_manager_pb2.PlaceLongRequestReply
+        if reply.action == Reply.REFUSE:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"prompt + max_tokens = {whole_life} tokens: {reply.reason} (the cluster's maximum: "
+                               f"{reply.max_tokens} KV tokens, i.e. prompt + max_tokens <= {reply.max_tokens + 1})")
+        if reply.action == Reply.ROUTE and reply.worker_id in self.pool.stubs:
+            wid = reply.worker_id
+            # A scale-up re-executed the worker: route once a poll says it serves (its channel reconnects first), or
+            # the request would count it as failed.
+            while True:
+                await self.pool.refresh_one(wid)
+                if self.pool.router.routable(wid):
+                    break
+                if record.cancelled or record.shutting_down or record.expired or self.stopping:
+                    return None, "the request ended while its placement waited"  # the caller's loop sees why
+                if time.monotonic() >= record.route_deadline:
+                    return None, f"the memory manager placed it on {wid}, which did not answer as serving"
+                await self._pause(record, ROUTE_RETRY_S)
+            self.log.info("long_request_placed", request_id=record.request_id, worker=wid, tokens=whole_life,
+                          scaled_up=list(reply.scale_up.members) if reply.scale_up.op else None)
+            return wid, ""
+        why = reply.reason or f"the memory manager placed it on {reply.worker_id!r}, which this dispatcher does not know"
+        self.log.info("long_request_waiting", request_id=record.request_id, tokens=whole_life, reason=why)
+        return None, why
 
     def _no_route_message(self, record: RequestRecord, dead: set[str], failures: list[str]) -> str:
         states = []

@@ -40,6 +40,7 @@ from kunserve.v1 import (
 from .autoscaler import Autoscaler
 from .metrics import AutoscaleMetrics, DropClock, TransitionMetrics, layout_families
 from .orchestrator import OrchestrationError, Orchestrator
+from .tp_placement import TPPlacer
 from .tp_reform import TPReformer
 
 LINK_RETRY_S = 10.0  # how long a worker whose transfer links failed is left alone before it is asked again
@@ -97,6 +98,7 @@ class MemoryManager:
                                          cfg.memory_manager.transition_lease_s,
                                          background_kv=cfg.memory_manager.coordinated_exchange)
         self.tp = TPReformer(self, self.orchestrator, cfg.memory_manager.transition_timeout_s)
+        self.tp_placer = TPPlacer(self.tp)
         self._infos: dict[str, worker_pb2.WorkerInfo] = {}  # the latest GetInfo of each reachable worker
         self._linking: asyncio.Task | None = None
         self._link_retry_at: dict[str, float] = {}  # a worker whose links failed is asked again after this
@@ -245,8 +247,11 @@ class MemoryManager:
 
     async def refresh(self, timeout: float = 1.0) -> None:
         async def one(worker_id: str) -> None:
+            stub = self.worker_stub(worker_id)
+            if stub is None:
+                return  # it left: an overlapping refresh expired it, or it deregistered
             try:
-                info = await self._stub(worker_id).GetInfo(common_pb2.Empty(), timeout=timeout)
+                info = await stub.GetInfo(common_pb2.Empty(), timeout=timeout)
             except grpc.aio.AioRpcError:
                 self.layout.mark_unreachable(worker_id)
                 self._infos.pop(worker_id, None)
@@ -276,6 +281,8 @@ class MemoryManager:
                     observer.serving(worker_id)
 
         await asyncio.gather(*(one(w) for w in self.membership.ids))
+        for wid in self.tp.reforming:  # re-executing: silent for a while, not gone
+            self.membership.heard(wid, self.clock())
         gone, idle = self.membership.expire(self.clock())
         for wid in gone:
             self.log.warning("worker_expired", worker=wid, member_timeout_s=self.membership.member_timeout_s)
@@ -408,6 +415,9 @@ class MemoryManagerServicer(memory_manager_pb2_grpc.MemoryManagerServicer):
 
     async def SplitTP(self, request, context):
         return await self._orchestrate(context, self.mm.tp.split(request))
+
+    async def PlaceLongRequest(self, request, context):
+        return await self._orchestrate(context, self.mm.tp_placer.place(request))
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):

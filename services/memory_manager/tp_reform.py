@@ -22,8 +22,9 @@ checks are pure functions over `TPWorker`, the part of a worker's GetInfo they r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -187,6 +188,17 @@ class TPReformer:
         self.orchestrator = orchestrator
         self.timeout_s = timeout_s
         self.log = get_logger()
+        # The members of the re-form under way: they re-execute and answer nothing for a while, and must not
+        # expire from the membership meanwhile (the autoscaler would count them gone, the dispatcher drop them).
+        self.reforming: set[str] = set()
+
+    @contextlib.asynccontextmanager
+    async def _members_reforming(self) -> AsyncIterator[None]:
+        """`reforming` holds the members the re-form adds while it runs, and nothing after."""
+        try:
+            yield
+        finally:
+            self.reforming.clear()
 
     def _stub(self, worker_id: str) -> worker_pb2_grpc.WorkerStub:
         stub = self.cluster.worker_stub(worker_id)
@@ -250,12 +262,13 @@ class TPReformer:
             await asyncio.sleep(POLL_S)
 
     async def transform(self, req: memory_manager_pb2.TransformTPRequest) -> memory_manager_pb2.TPReport:
-        async with self.orchestrator._exclusive("tensor-parallel re-form"):
+        async with self.orchestrator._exclusive("tensor-parallel re-form"), self._members_reforming():
             t0 = time.perf_counter()
             ids = list(req.worker_ids)
             if not ids:
                 raise OrchestrationError("INVALID_ARGUMENT", "worker_ids: name the members, rank 0 first")
             found = await self._infos(ids)
+            self.reforming.update(ids)
             degree = check_transform(ids, req.degree, self.cluster.worker_ids, found, self.cluster.model_shape())
             report = memory_manager_pb2.TPReport(op="tp", members=ids, degree=degree, before=[instance_pb([w], found[w]) for w in ids])
             self.log.info("tp_reform_start", op="tp", members=ids, degree=degree)
@@ -286,12 +299,13 @@ class TPReformer:
             return await self._done(report, [ids], t0)
 
     async def split(self, req: memory_manager_pb2.SplitTPRequest) -> memory_manager_pb2.TPReport:
-        async with self.orchestrator._exclusive("tensor-parallel split"):
+        async with self.orchestrator._exclusive("tensor-parallel split"), self._members_reforming():
             t0 = time.perf_counter()
             if not req.worker_id:
                 raise OrchestrationError("INVALID_ARGUMENT", "worker_id: name a member of the instance to split")
             found = await self._infos([req.worker_id])
             members = list(check_split(req.worker_id, self.cluster.worker_ids, found))
+            self.reforming.update(members)
             found = await self._infos(members)
             report = memory_manager_pb2.TPReport(
                 op="tp-split", members=members, degree=1, before=[instance_pb(members, found.get(members[0]))]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import sys
 import time
@@ -91,14 +92,19 @@ def tp_args(args: argparse.Namespace) -> TPArgs | None:
 def build_or_fall_back(cfg: ClusterConfig, worker_id: str, runtime: TPArgs | None,
                        log: structlog.BoundLogger) -> tuple[EngineLoop, PooledInstance, WorkerIdentity, TPMembership | None]:
     """build_worker; a runtime tensor-parallel membership that cannot form (a member never came, the rendezvous port
-    was taken) falls back to a whole instance, so that a failed re-form heals without a supervisor."""
+    was taken) falls back to a whole instance, so that a failed re-form heals without a supervisor.
+
+    The fallback is built outside the except block: the failure's traceback holds the failed build's frames, and with
+    them its pool and weights, which a GPU needs back before the whole instance can allocate its own."""
     try:
         return build_worker(cfg, worker_id, runtime)
     except WorkerBuildError as exc:
         if runtime is None or len(runtime.members) == 1:
             raise
-        log.error("tensor_parallel_reform_failed", error=str(exc), fallback="whole instance")
-        return build_worker(cfg, worker_id, TPArgs((worker_id,)))
+        why = str(exc)
+    log.error("tensor_parallel_reform_failed", error=why, fallback="whole instance")
+    gc.collect()  # whatever of the failed build only a reference cycle still holds
+    return build_worker(cfg, worker_id, TPArgs((worker_id,)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ and the asyncio event loop, so RPCs and the stats stream stay responsive while a
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import time
@@ -20,8 +21,9 @@ from kunserve.shared.engine.pooled import LayerChange, PooledInstance
 from kunserve.shared.epochs import epoch_error
 from kunserve.shared.log import get_logger
 from kunserve.shared.memory.errors import MemoryPoolError
+from kunserve.shared.model.tp_capacity import kv_tokens_by_degree
 from kunserve.shared.model.weights import ModelSource
-from kunserve.shared.rpc import WORKER_END
+from kunserve.shared.rpc import REFORMING, WORKER_END
 from kunserve.shared.streams import Shutdown, StreamRegistry
 from kunserve.shared.transfer.service import TransferError
 from kunserve.shared.wire.cluster_state import busy_idle_fields, engine_stats_to_pb
@@ -36,6 +38,7 @@ from .tp_member import TPArgs, TPMembership, check_model_degree, pick_free_port
 DRAIN_POLL_S = 0.05
 HANDOVER_WAIT_S = 5.0  # after a drain's timeout: how long the ended streams take to close
 REEXEC_AFTER_S = 0.05  # after a ReformTP answer: the graceful stop that ends in the re-exec
+REFORM_SEEN_WAIT_S = 1.0  # at most: a polled worker stays up until a stats poll saw it re-forming
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # Runtime membership (standby, draining); None: always in service (a worker run without a memory manager)
         self.cluster: ClusterMembership | None = None
         self._draining: asyncio.Future | None = None  # the drain under way (it outlives a cancelled Drain call)
+        self._reforming: asyncio.Future | None = None  # the re-form's drain (it outlives a cancelled ReformTP call)
+        self._polled_at = -math.inf  # when a GetStats was last answered (time.monotonic())
+        self._kv_by_degree: dict[int, int] | None = None  # see _kv_tokens_by_degree (the pool's size never changes)
 
     def attach_transfer(self, transfer) -> None:
         """Take part in layout transitions over `transfer` (at start, or once its port came free)."""
@@ -115,7 +121,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.cluster is not None and not self.cluster.in_service:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.cluster.why_not_serving())
         if self.reform is not None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self._reforming_message())
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self._reforming_message(),
+                                trailing_metadata=((REFORMING, "1"),))
         if self.tp is not None and not self.tp.is_leader:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"worker {self.identity.worker_id} is {self.tp.describe()}; send requests to "
@@ -157,7 +164,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if isinstance(item, Shutdown) and self.reform is not None:
                     # handed over for a re-form: the dispatcher resumes it once a re-formed instance serves (this
                     # worker is not written off for it, as a worker that went away would be)
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self._reforming_message()}; resume")
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self._reforming_message()}; resume",
+                                        trailing_metadata=((REFORMING, "1"),))
                 if isinstance(item, Shutdown):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, item.message,
                                         trailing_metadata=((WORKER_END, "shutdown"),))
@@ -220,14 +228,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return engine_stats_to_pb(
             self.engine.stats(), worker_id=ident.worker_id, address=ident.address, timestamp_unix_s=time.time(),
             layer_start=start, layer_end=end, num_layers_model=ident.num_layers_model,
-            kv_blocks_undropped=self.undropped_blocks, **self._layout_fields(), **busy_idle,
+            kv_blocks_undropped=self.undropped_blocks, reforming=self.reform is not None, **self._layout_fields(),
+            **busy_idle,
         )
 
     async def GetStats(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext):
         if self.engine.error is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"worker {self.identity.worker_id}: engine failed: {self.engine.error!r}")
-        return self.current_stats()
+        stats = self.current_stats()
+        self._polled_at = time.monotonic()
+        return stats
 
     async def GetInfo(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext):
         ident = self.identity
@@ -241,7 +252,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             transfer_address=self.transitions.svc.address if self.transitions else "",
             transfer_peers=self.transitions.svc.peers if self.transitions else [],
             transition_epoch=self.transitions.transition_epoch if self.transitions else 0, **self._layout_fields(),
+            kv_tokens_by_degree=self._kv_tokens_by_degree(start, end),
         )
+
+    def _kv_tokens_by_degree(self, start: int, end: int) -> dict[int, int]:
+        """The KV tokens an instance of each degree the model shards at would hold with this worker's pool as every
+        member's, whatever degree it runs at now (transformation-aware routing sizes scale-ups with it); empty while
+        it holds part of the model (dropped layers)."""
+        if (start, end) != (0, self.identity.num_layers_model):
+            return {}
+        if self._kv_by_degree is None:
+            pool = self.instance.pool
+            cfg = self.whole_model.config if self.whole_model is not None else self.instance.cfg
+            self._kv_by_degree = kv_tokens_by_degree(cfg, num_pages=pool.num_pages, page_size=pool.page_size,
+                                                     block_size=self.instance.layout.block_size,
+                                                     device_type=pool.device.type)
+        return self._kv_by_degree
 
     # -- memory pool --------------------------------------------------------------------------------------
     async def _on_engine(self, context, fn):
@@ -486,10 +512,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await self._free_for_reform(context, len(members) > 1)
         self.reform = new
         self.log.info("tensor_parallel_reform", members=list(members), rank=new.rank, port=port, host=host)
-        finished, handed_over = await self._drain(request.drain_timeout_s)
-        asyncio.get_running_loop().call_later(REEXEC_AFTER_S, os.kill, os.getpid(), signal.SIGTERM)
+        # Once begun, a re-form ends in the re-exec whatever becomes of this call (the memory manager died, its
+        # deadline passed): a worker left with `reform` set refuses every request and would never serve again.
+        self._reforming = asyncio.ensure_future(self._drain_then_reexec(request.drain_timeout_s))
+        finished, handed_over = await asyncio.shield(self._reforming)
         return worker_pb2.ReformTPReply(worker_id=wid, reforming=True, port=port, host=host, finished=finished,
                                         handed_over=handed_over)
+
+    async def _drain_then_reexec(self, timeout_s: float) -> tuple[int, int]:
+        """Hand the running requests over, then stop the service (SIGTERM: main() re-executes with `reform`) even
+        when the drain fails."""
+        since = time.monotonic()
+        try:
+            drained = await self._drain(timeout_s)
+            await self._seen_reforming(since)
+            return drained
+        finally:
+            asyncio.get_running_loop().call_later(REEXEC_AFTER_S, os.kill, os.getpid(), signal.SIGTERM)
+
+    async def _seen_reforming(self, since: float) -> None:
+        """When something polls this worker's stats (the dispatcher), wait (up to REFORM_SEEN_WAIT_S) for a poll answered
+        after `since`, which said `reforming`: the dispatcher then waits for the re-formed worker instead of failing
+        the requests that arrive while it re-executes (a drain with nothing running is over before the next poll)."""
+        if self._polled_at < since - REFORM_SEEN_WAIT_S:
+            return  # not polled lately
+        deadline = time.monotonic() + REFORM_SEEN_WAIT_S
+        while self._polled_at <= since and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
 
     async def _free_for_reform(self, context, joining: bool) -> None:
         """FAILED_PRECONDITION unless this worker may change its tensor-parallel membership now: not in a pipeline

@@ -247,7 +247,9 @@ def runtime_membership(cfg: ClusterConfig, worker_id: str, args: TPArgs) -> TPMe
 
 
 def reform_argv(argv: Sequence[str], new: TPArgs) -> list[str]:
-    """The worker's command line (without the program) with its --tp-* flags replaced by `new`'s."""
+    """The worker's command line (without the program) with its --tp-* flags replaced by `new`'s, and without
+    --standby: only a worker in service re-forms, and one re-executed as a standby would offer itself again instead
+    of joining, so the re-form would wait for it in vain."""
     out: list[str] = []
     skip = False
     for a in argv:
@@ -257,7 +259,7 @@ def reform_argv(argv: Sequence[str], new: TPArgs) -> list[str]:
         if a in TP_FLAGS:
             skip = True
             continue
-        if a.split("=", 1)[0] in TP_FLAGS:
+        if a.split("=", 1)[0] in TP_FLAGS or a == "--standby":
             continue
         out.append(a)
     return out + new.argv()
@@ -293,12 +295,18 @@ def close_on_exec(first: int = 3) -> list[int]:
 
 def reexec(argv: Sequence[str]) -> NoReturn:
     """Replace this process with a fresh worker run with `argv` (same pid: the launcher keeps tracking it); nothing
-    but stdin, stdout and stderr crosses the exec."""
+    but stdin, stdout and stderr crosses the exec. An exec that fails (the interpreter gone, too many processes) exits
+    with EXIT_BROKEN, so that a supervisor starts the worker again as configured."""
     fixed = close_on_exec()
-    get_logger().info("worker_reexec", argv=list(argv), made_close_on_exec=fixed)
+    log = get_logger()
+    log.info("worker_reexec", argv=list(argv), made_close_on_exec=fixed)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "kunserve.services.worker", *argv])
+    try:
+        os.execv(sys.executable, [sys.executable, "-m", "kunserve.services.worker", *argv])
+    except OSError as exc:
+        log.error("worker_reexec_failed", error=str(exc), exit_status=EXIT_BROKEN)
+        raise SystemExit(EXIT_BROKEN) from None
 
 
 def check_model_degree(source: ModelSource, degree: int) -> str | None:

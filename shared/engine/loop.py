@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -138,8 +139,14 @@ class EngineLoop:
         return time.monotonic() - started if started is not None else 0.0
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the latest iteration (never blocks on a running step)."""
-        return self._stats
+        """The snapshot taken after the latest iteration (never blocks on a running step), with the requests
+        submitted since and not yet taken by the engine counted as waiting: a report that left them out would let
+        the router count a request it routed here as absorbed before the engine has seen it, and route the next one
+        here as if this worker were still free."""
+        snap = self._stats
+        with self._cv:
+            queued = [arg for kind, arg in self._commands if kind == "add"]
+        return with_submitted(snap, queued) if queued else snap
 
     @property
     def running(self) -> bool:
@@ -269,3 +276,23 @@ class EngineLoop:
                 self._stop = True
         finally:
             self._abort_all()
+
+
+def with_submitted(snap: EngineStats, submitted: list[EngineRequest]) -> EngineStats:
+    """`snap` with `submitted` (requests not yet in the engine's scheduler) counted as waiting, their prompts as
+    queued demand."""
+    bs = max(snap.block_size, 1)
+    blocks = [-(-len(r.prompt_token_ids) // bs) for r in submitted]
+    offline = [b for r, b in zip(submitted, blocks, strict=True) if r.offline]
+    arrivals = [r.arrival_time for r in submitted if r.arrival_time > 0]  # 0: not stamped (the scheduler's rule)
+    online_arrivals = [r.arrival_time for r in submitted if not r.offline and r.arrival_time > 0]
+    return dataclasses.replace(
+        snap,
+        num_waiting=snap.num_waiting + len(submitted),
+        queued_demand_blocks=snap.queued_demand_blocks + sum(blocks),
+        num_offline_waiting=snap.num_offline_waiting + len(offline),
+        offline_queued_demand_blocks=snap.offline_queued_demand_blocks + sum(offline),
+        oldest_waiting_arrival=min((a for a in (snap.oldest_waiting_arrival, *arrivals) if a is not None), default=None),
+        oldest_online_waiting_arrival=min((a for a in (snap.oldest_online_waiting_arrival, *online_arrivals)
+                                           if a is not None), default=None),
+    )

@@ -127,6 +127,7 @@ class WorkerReport:
     # Tensor parallelism: the instance's degree (0 or 1: none) and members in rank order ([0] owns the requests)
     tp_degree: int = 0
     tp_members: tuple[str, ...] = ()
+    reforming: bool = False  # re-forming its tensor-parallel instance: silent a while, then serving again under its id
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "unit_members", tuple(self.unit_members))

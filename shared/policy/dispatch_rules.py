@@ -51,8 +51,9 @@ def choose_worker(router: FreenessRouter, *, offline: bool, tokens: int, exclude
 
 def may_wait_for_route(router: FreenessRouter, now: float, deadline: float, exclude: set[str] | frozenset[str] = frozenset()) -> bool:
     """Whether a request that found no routable worker waits for one: some candidate is alive (forming a group,
-    mid-transition, refusing a moment ago) and its route deadline has not passed. False: it fails now."""
-    return router.may_become_routable(exclude=exclude) and now < deadline
+    mid-transition, refusing a moment ago) or re-forming within its deadline, and the request's route deadline has
+    not passed. False: it fails now."""
+    return router.may_become_routable(exclude=exclude, now=now) and now < deadline
 
 
 __all__ = ["admission_bounds", "capacity", "choose_worker", "may_wait_for_route", "prompt_too_long"]

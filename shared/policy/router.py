@@ -21,6 +21,11 @@ Two notions are kept apart:
   dropped layers, is forming a group, or just answered a request with FAILED_PRECONDITION) is alive and may
   become routable again: a request that finds no routable worker can wait for it (`may_become_routable`),
   while one whose every candidate is dead fails at once.
+
+One exception to "dead": a worker that said it is re-forming its tensor-parallel instance (`reforming`) answers
+nothing while it re-executes, then serves again under its id. It counts as coming back until a report says it
+serves, it is forgotten, or the deadline the dispatcher gave passes (a re-form that never comes back is not waited
+for forever). A worker that merely refused a request or timed out a poll, then went silent, is not waited for.
 """
 
 from __future__ import annotations
@@ -56,8 +61,10 @@ class FreenessRouter:
     workers: dict[str, RoutingLoad] = field(default_factory=dict)
     _pending: dict[str, dict[str, _Pending]] = field(default_factory=dict)
     # worker -> dispatcher clock at which it refused a request (FAILED_PRECONDITION): it stays
-    # not serving until a report taken after that moment says otherwise (and worth waiting for until then).
+    # not serving until a report taken after that moment says otherwise.
     _refused_at: dict[str, float] = field(default_factory=dict)
+    # worker -> dispatcher clock until which it is coming back from a re-form (see `reforming`)
+    _back_by: dict[str, float] = field(default_factory=dict)
 
     def update(self, load: RoutingLoad) -> None:
         refused = self._refused_at.get(load.worker_id)
@@ -67,6 +74,8 @@ class FreenessRouter:
                 load.serving = False
             elif load.serving:
                 del self._refused_at[load.worker_id]
+        if load.serving:
+            self._back_by.pop(load.worker_id, None)
         self.workers[load.worker_id] = load
         # Requests routed before this report was taken are now part of its numbers.
         pend = self._pending.get(load.worker_id, {})
@@ -83,6 +92,19 @@ class FreenessRouter:
         self._refused_at[worker_id] = max(now, self._refused_at.get(worker_id, -math.inf))
         if worker_id in self.workers:
             self.workers[worker_id].serving = False
+
+    def reforming(self, worker_id: str, now: float, until: float) -> None:
+        """The worker said at `now` that it is re-forming (its stats, or its refusal of a request): not routable,
+        and worth waiting for until `until` or until a report taken after `now` says it serves."""
+        self.refused(worker_id, now)
+        self._back_by[worker_id] = max(until, self._back_by.get(worker_id, -math.inf))
+
+    def forget(self, worker_id: str) -> None:
+        """The worker left the cluster: nothing about it is kept."""
+        self.workers.pop(worker_id, None)
+        self._pending.pop(worker_id, None)
+        self._refused_at.pop(worker_id, None)
+        self._back_by.pop(worker_id, None)
 
     def freeness(self, worker_id: str) -> float:
         load = self.workers[worker_id]
@@ -121,14 +143,14 @@ class FreenessRouter:
                 best, best_key = wid, key
         return best
 
-    def may_become_routable(self, exclude: set[str] | frozenset[str] = frozenset()) -> bool:
+    def may_become_routable(self, exclude: set[str] | frozenset[str] = frozenset(), now: float | None = None) -> bool:
         """Some worker outside `exclude` is alive (healthy), so waiting for a routable one makes sense
-        (it is forming a group, dropped layers, or refused a request moments ago), or refused a request as not
-        serving and has not reported serving since (a tensor-parallel re-form restarts it in place: it answers
-        nothing until it serves again; route_timeout_s bounds the wait). False when every candidate is dead or
+        (it is forming a group, dropped layers, or refused a request moments ago), or is re-forming with its
+        deadline after `now` (None: any re-forming worker counts). False when every candidate is dead or
         excluded: waiting would only delay the error."""
-        return any(load.healthy for wid, load in self.workers.items() if wid not in exclude) or any(
-            wid in self.workers and wid not in exclude for wid in self._refused_at)
+        if any(load.healthy for wid, load in self.workers.items() if wid not in exclude):
+            return True
+        return any(wid in self.workers and wid not in exclude and (now is None or now < until) for wid, until in self._back_by.items())
 
     def routed(self, worker_id: str, request_id: str, num_tokens: int, now: float, *, offline: bool = False) -> None:
         """Count a request routed to `worker_id` at `now` (the dispatcher clock at routing, which is

@@ -22,7 +22,7 @@ _REPORT_FIELDS = (
     "num_preemptions", "prompt_tokens_total", "generated_tokens_total", "oldest_waiting_age_s",
     "busy_seconds_total", "idle_seconds_total", "bubble_seconds_total", "bubble_ratio", "num_offline_running",
     "num_offline_waiting", "offline_kv_blocks_used", "offline_queued_demand_blocks", "oldest_online_waiting_age_s",
-    "tp_degree",
+    "tp_degree", "reforming",
 )
 
 

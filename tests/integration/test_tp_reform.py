@@ -29,12 +29,15 @@ MEMBERS = ["worker-0", "worker-1"]
 POOL = dict(pool_mib=26, page_kib=256)
 LONG = [(i * 7 + 3) % 4000 + 10 for i in range(1300)]
 SHORT = [5, 6, 7, 8, 9]
-DURING = 600  # tokens of the request that runs while the cluster re-forms
+DURING = 1200  # tokens of the request that runs while the cluster re-forms (prompt + these fit a whole instance)
+# kunctl with its imports done, waiting for a line on stdin: the re-form starts moments after the request streams
+READY_KUNCTL = "import sys; from kunserve.cli import kunctl; sys.stdin.readline(); kunctl.main(sys.argv[1:])"
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     cfg = make_config(2, budget="fixed", lookahead=False, **POOL)  # no profile to measure: a quick start
+    cfg.dispatcher.route_timeout_s = 120  # a handed-over request waits for the re-formed instance (restart, rendezvous)
     c = LocalCluster(cfg, run_dir=tmp_path_factory.mktemp("tp-reform"))
     c.start(timeout_s=120)
     yield c
@@ -55,18 +58,26 @@ def kunctl(cluster, *args) -> dict:
 
 def kunctl_during_a_request(cluster, rid: str, *args) -> tuple[dict, client.GenerationResult]:
     """Run kunctl once a request has streamed its first token; the request's result (it survives the re-form: handed
-    over, it re-prefills on the new layout) and the report. A request that finishes first is checked all the same."""
+    over, it re-prefills on the new layout) and the report. kunctl is started beforehand and only told to go then, so
+    the re-form reaches the workers while the request still has most of its tokens to generate."""
     req = client.make_request(SHORT, request_id=rid, max_tokens=DURING, ignore_eos=True)
+    argv = kunctl_argv(cluster, *args, "--json")
+    assert argv[1:3] == ["-m", "kunserve.cli.kunctl"]
 
     async def scenario():
         started = asyncio.Event()
+        proc = await asyncio.create_subprocess_exec(
+            argv[0], "-c", READY_KUNCTL, *argv[3:], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         async with client.insecure_channel(cluster.cfg.dispatcher.address) as ch:
             running = asyncio.ensure_future(client.generate(ch, req, timeout=240, on_event=lambda _ev: started.set()))
-            await asyncio.wait_for(started.wait(), 120)
-            proc = await asyncio.create_subprocess_exec(
-                *kunctl_argv(cluster, *args, "--json"), stdout=subprocess.PIPE, stderr=subprocess.PIPE
-            )
-            out, err = await proc.communicate()
+            try:
+                await asyncio.wait_for(started.wait(), 120)
+            except BaseException:
+                proc.kill()
+                await proc.wait()
+                raise
+            out, err = await proc.communicate(b"go\n")
             assert proc.returncode == 0, err.decode()
             return json.loads(out), await running
 
@@ -99,6 +110,7 @@ def test_a_long_request_is_served_after_a_reform_and_the_split_restores_whole_in
     rep, during = kunctl_during_a_request(cluster, "during-tp", "tp", "--group", ",".join(MEMBERS))
     check_against_reference(SHORT, during.token_ids, DURING)
     assert rep["completed"] and rep["degree"] == 2 and rep["members"] == MEMBERS, rep
+    assert rep["handed_over"] >= 1, rep  # the running request moved to the new instance
     assert [i["members"] for i in rep["after"]] == [MEMBERS]
     assert rep["after"][0]["kv_tokens"] >= len(LONG) + 8 > max(i["kv_tokens"] for i in rep["before"])
     assert tp_members(cluster, "worker-1") == MEMBERS

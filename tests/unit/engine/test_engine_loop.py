@@ -127,3 +127,24 @@ def test_a_failing_callback_does_not_kill_the_engine(loop):
     col = Collector()
     loop.submit(EngineRequest("good", [2], SamplingParams(max_tokens=3)), col)
     assert col.done.wait(TIMEOUT) and loop.running and loop.error is None
+
+
+def test_stats_count_requests_submitted_but_not_yet_taken_by_the_engine():
+    """A report must not miss a request the engine has not picked up yet: the router stops counting a routed request
+    once a report taken after the routing arrives, and would otherwise see this worker as still free."""
+    from engine_testing import weights_for
+
+    from kunserve.shared.engine.api import EngineRequest, SamplingParams
+    from kunserve.shared.engine.engine import Engine
+    from kunserve.shared.engine.loop import EngineLoop
+    from kunserve.shared.model.architecture import TINY_CONFIG
+
+    loop = EngineLoop(Engine(TINY_CONFIG, weights_for(TINY_CONFIG), num_kv_blocks=32, block_size=8))  # not started
+    before = loop.stats()
+    loop.submit(EngineRequest("on", list(range(1, 18)), SamplingParams(max_tokens=2), arrival_time=5.0), lambda e: None)
+    loop.submit(EngineRequest("off", list(range(1, 9)), SamplingParams(max_tokens=2), offline=True), lambda e: None)
+    s = loop.stats()
+    assert (s.num_waiting, s.queued_demand_blocks) == (before.num_waiting + 2, before.queued_demand_blocks + 3 + 1)
+    assert (s.num_offline_waiting, s.offline_queued_demand_blocks) == (1, 1)
+    assert s.oldest_waiting_arrival == s.oldest_online_waiting_arrival == 5.0  # the unstamped offline one is not aged
+    loop.stop()
