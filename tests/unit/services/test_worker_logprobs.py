@@ -9,6 +9,7 @@ import asyncio
 import grpc
 import pytest
 from engine_testing import one_torch_thread  # noqa: F401 - fixture
+from worker_servicer_fakes import Aborted, Context, Instance
 
 from kunserve.services.worker.servicer import WorkerIdentity, WorkerServicer
 from kunserve.shared.engine.api import EngineRequest, SamplingParams, TokenEvent
@@ -23,22 +24,7 @@ W = random_weights(CFG, 0)
 PROMPT = [5, 6, 7]
 
 
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code}: {details}")
-        self.code, self.details = code, details
 
-
-class Context:
-    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple = ()) -> None:
-        raise Aborted(code, details)
-
-
-class Instance:
-    layer_range = (0, 1)
-
-    def capacity_for(self, start: int, end: int) -> int:
-        return 64
 
 
 def _engine() -> Engine:

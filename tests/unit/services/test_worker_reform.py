@@ -10,6 +10,7 @@ import os
 
 import grpc
 import pytest
+from worker_servicer_fakes import Aborted, Context, Instance
 
 from kunserve.services.worker import servicer as servicer_mod
 from kunserve.services.worker.servicer import WorkerIdentity, WorkerServicer
@@ -24,25 +25,7 @@ from kunserve.v1 import common_pb2, worker_pb2
 CFG = TINY_CONFIG.replace(num_layers=1, name="one")
 
 
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code}: {details}")
-        self.code, self.details = code, details
 
-
-class Context:
-    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple = ()) -> None:
-        raise Aborted(code, details)
-
-
-class Instance:
-    host_copy = None
-
-    def __init__(self, layers: tuple[int, int] = (0, 1)) -> None:
-        self.layer_range = layers
-
-    def capacity_for(self, start: int, end: int) -> int:
-        return 64
 
 
 def test_tp_args_check_and_flags():

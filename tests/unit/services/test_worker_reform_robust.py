@@ -11,6 +11,7 @@ import weakref
 
 import grpc
 import pytest
+from worker_servicer_fakes import Aborted, Context, Instance
 
 from kunserve.services.worker import __main__ as worker_main
 from kunserve.services.worker import servicer as servicer_mod
@@ -31,23 +32,7 @@ CFG = TINY_CONFIG.replace(num_layers=1, name="one")
 SETTLE_S = 10.0  # a bound on waiting for what must happen, so that a regression fails instead of hanging
 
 
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code}: {details}")
-        self.code, self.details = code, details
 
-
-class Context:
-    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple = ()) -> None:
-        raise Aborted(code, details)
-
-
-class Instance:
-    host_copy = None
-    layer_range = (0, 1)
-
-    def capacity_for(self, start: int, end: int) -> int:
-        return 64
 
 
 @pytest.fixture

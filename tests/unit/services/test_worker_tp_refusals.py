@@ -8,6 +8,7 @@ import asyncio
 
 import grpc
 import pytest
+from worker_servicer_fakes import Aborted, Context, Instance
 
 from kunserve.services.worker.servicer import WorkerIdentity, WorkerServicer
 from kunserve.services.worker.tp_member import TPMembership
@@ -21,23 +22,7 @@ CFG = TINY_CONFIG.replace(num_layers=1, name="one")
 MEMBERS = ("t0", "t1")
 
 
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code}: {details}")
-        self.code, self.details = code, details
 
-
-class Context:
-    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple = ()) -> None:
-        raise Aborted(code, details)
-
-
-class Instance:
-    layer_range = (0, 1)
-    host_copy = None
-
-    def capacity_for(self, start: int, end: int) -> int:
-        return 64
 
 
 @pytest.fixture(params=[0, 1], ids=["rank0", "follower"])
