@@ -149,6 +149,9 @@ class MemoryManagerSection(ServiceSection):
     # every worker registers again every member_timeout_s / 4, and a joined worker silent for member_timeout_s has
     # left (its requests resume elsewhere, as for any dead worker).
     member_timeout_s: float = 10.0
+    # With dispatcher.elastic_tp: a tensor-parallel instance that held no request for this long is split back into
+    # whole instances (README "Elastic tensor parallelism (Gyges)"); 0 = never (kunctl tp-split only).
+    tp_idle_split_s: float = 30.0
 
 
 @dataclass

@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
             tasks.append(asyncio.create_task(mm.refresh_forever()))
             if mm.autoscaler is not None:
                 tasks.append(asyncio.create_task(mm.autoscaler.run_forever()))
+            if mm.tp_placer.idle_split.idle_s > 0:  # dispatcher.elastic_tp: merged instances go back when idle
+                tasks.append(asyncio.create_task(mm.tp_placer.split_idle_forever()))
             if overload_handling(cfg.policy.overload).static_pairs:
                 # The static pipeline-parallel baseline: pairs hold half the layers each from the start.
                 # Formed before this service reports SERVING, so a started cluster is already in that layout.

@@ -28,7 +28,17 @@ from dataclasses import dataclass, field
 import grpc
 
 from kunserve.shared.log import get_logger
-from kunserve.shared.policy.elastic_tp import DEGREES, ElasticTPScheduler, Refuse, Route, ScaleUp, TPInstance, TPMemory, Wait
+from kunserve.shared.policy.elastic_tp import (
+    DEGREES,
+    ElasticTPScheduler,
+    IdleSplitPolicy,
+    Refuse,
+    Route,
+    ScaleUp,
+    TPInstance,
+    TPMemory,
+    Wait,
+)
 from kunserve.v1 import common_pb2, memory_manager_pb2, worker_pb2
 
 from .orchestrator import OrchestrationError
@@ -138,8 +148,9 @@ class TPPlacer:
     """Serves PlaceLongRequest (module docstring). One placement decides at a time, so two long requests do not both
     plan a scale-up of the same workers."""
 
-    def __init__(self, reformer: TPReformer, failure_cooldown_s: float | None = None) -> None:
+    def __init__(self, reformer: TPReformer, failure_cooldown_s: float | None = None, idle_split_s: float = 0.0) -> None:
         self.reformer = reformer
+        self.idle_split = IdleSplitPolicy(idle_split_s)
         self._lock = asyncio.Lock()
         self.log = get_logger()
         # members -> when a scale-up of exactly them last failed: not tried again for failure_cooldown_s, or every
@@ -171,6 +182,7 @@ class TPPlacer:
         limit = scheduler.max_tokens(instances)
         self.log.info("tp_place", request_id=req.request_id, tokens=req.tokens, kv_tokens=need, decision=type(decision).__name__)
         if isinstance(decision, Route):
+            self.idle_split.placed(decision.instance_id, time.monotonic())
             return PlaceReply(action=PlaceReply.ROUTE, worker_id=decision.instance_id, max_tokens=limit)
         if isinstance(decision, Refuse):
             missing = sorted(set(self.reformer.cluster.worker_ids) - {w.worker_id for w in workers})
@@ -220,4 +232,41 @@ class TPPlacer:
                 reason=f"scale-up of {', '.join(plan.members)} failed: {report.error}",
             )
         self._failed.pop(plan.members, None)
+        self.idle_split.placed(plan.members[0], time.monotonic())
         return PlaceReply(action=PlaceReply.ROUTE, worker_id=plan.members[0], max_tokens=limit, scale_up=report)
+
+    # -- going back to whole instances ---------------------------------------------------------------------------
+    async def split_idle_forever(self, interval_s: float = 1.0) -> None:
+        """memory_manager.tp_idle_split_s: split merged instances that stayed idle that long (IdleSplitPolicy)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.split_idle()
+            except OrchestrationError as exc:  # a drop or a re-form holds the lock: next round
+                self.log.info("tp_idle_split_deferred", code=exc.code, reason=str(exc))
+
+    async def split_idle(self) -> list[str]:
+        """One round: the instances split now (their rank 0s)."""
+        cluster = self.reformer.cluster
+
+        async def one(w: str) -> tuple[str, int, bool] | None:
+            stub = cluster.worker_stub(w)
+            if stub is None:
+                return None
+            try:
+                st = await stub.GetStats(common_pb2.Empty(), timeout=INFO_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                return None
+            if len(st.tp_members) < 2 or st.tp_members[0] != w:
+                return None  # a whole instance or a follower: rank 0 speaks for its instance
+            return w, len(st.tp_members), st.num_running == 0 and st.num_waiting == 0
+
+        seen = [x for x in await asyncio.gather(*(one(w) for w in cluster.worker_ids)) if x is not None]
+        async with self._lock:  # no placement decides on an instance while it splits
+            due = self.idle_split.observe(time.monotonic(), seen)
+            for inst in due:
+                self.log.info("tp_idle_split", instance=inst, idle_s=self.idle_split.idle_s)
+                report = await self.reformer.split(memory_manager_pb2.SplitTPRequest(worker_id=inst))
+                if not report.completed:
+                    self.log.warning("tp_idle_split_failed", instance=inst, error=report.error)
+        return due

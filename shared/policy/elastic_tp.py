@@ -294,3 +294,41 @@ def _packs(requests: Sequence[int], bins: int, capacity: int) -> bool:
         else:
             return False
     return True
+
+
+@dataclass
+class IdleSplitPolicy:
+    """When a merged instance goes back to whole ones, as the cluster's cold re-form allows (README "Elastic tensor
+    parallelism (Gyges)"): an instance at TP>1 that has held no request, and was given none by placement, for
+    ``idle_s`` is split. Algorithm 2 splits an instance once its requests would fit the smaller ones, throttling
+    routing to it meanwhile; a cold split hands every running request over to be re-prefilled, so splitting only an
+    idle instance is what keeps the split from costing the requests anything. ``idle_s`` <= 0: never split."""
+
+    idle_s: float
+    _idle_since: dict[str, float] = field(default_factory=dict)
+    _placed_at: dict[str, float] = field(default_factory=dict)
+
+    def placed(self, instance_id: str, now: float) -> None:
+        """Placement sent (or is about to send) a request to this instance: it is not idle, whatever its stats say."""
+        self._placed_at[instance_id] = now
+        self._idle_since.pop(instance_id, None)
+
+    def observe(self, now: float, instances: Iterable[tuple[str, int, bool]]) -> list[str]:
+        """``instances``: (rank 0, degree, holds no request now) of every instance seen. Returns the instances to split
+        now (each is forgotten, so one decision per idle spell)."""
+        if self.idle_s <= 0:
+            return []
+        seen, due = set(), []
+        for inst, degree, idle in instances:
+            seen.add(inst)
+            if degree < 2 or not idle or now - self._placed_at.get(inst, -float("inf")) < self.idle_s:
+                self._idle_since.pop(inst, None)
+                continue
+            since = self._idle_since.setdefault(inst, now)
+            if now - since >= self.idle_s:
+                due.append(inst)
+        for inst in due:
+            del self._idle_since[inst]
+        for inst in set(self._idle_since) - seen:
+            del self._idle_since[inst]
+        return sorted(due)

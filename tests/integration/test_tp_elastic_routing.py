@@ -2,12 +2,15 @@
 `dispatcher.elastic_tp = true`): with no kunctl, a request longer than either whole instance's KV makes the dispatcher
 ask the memory manager, which scales the two co-located workers up into one TP2 instance and routes the request to its
 rank 0 (tokens equal the dense reference's); a request no layout of the cluster could hold is refused with
-INVALID_ARGUMENT naming the cluster's maximum, and triggers no re-form.
+INVALID_ARGUMENT naming the cluster's maximum, and triggers no re-form; once idle for memory_manager.tp_idle_split_s the
+merged instance splits back into whole ones by itself.
 
 The model is the embedded one saved as a checkpoint with a context of 8192 tokens, so a request may be longer than
 the TP2 instance's KV (5632 tokens) without exceeding the model's context (which the dispatcher checks first)."""
 
 from __future__ import annotations
+
+import time
 
 import grpc
 import pytest
@@ -24,6 +27,7 @@ from kunserve.shared.model.weights import random_weights, save_checkpoint
 pytestmark = pytest.mark.integration
 
 CONTEXT = 8192
+IDLE_SPLIT_S = 8.0
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +47,8 @@ def cluster(tmp_path_factory):
     # the wait covers a cold re-form (two process re-executions and model loads) on a loaded machine
     cfg.dispatcher.route_timeout_s = 240.0
     cfg.dispatcher.queue_timeout_s = 240.0
+    # long enough that the checks right after the long request still see the instance merged
+    cfg.memory_manager.tp_idle_split_s = IDLE_SPLIT_S
     c = LocalCluster(cfg, run_dir=tmp_path_factory.mktemp("tp-elastic"))
     c.start(timeout_s=120)
     yield c
@@ -74,6 +80,21 @@ def test_the_dispatcher_scales_up_for_a_long_request_and_refuses_one_no_layout_h
     short = generate(cluster, SHORT, "short-after", 8)
     assert not isinstance(short, BaseException), short
     compare_greedy(short.token_ids, *reference_for(SHORT, 8))
+
+    # idle for memory_manager.tp_idle_split_s, the instance splits back into whole ones by itself
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            members = {w: tp_members(cluster, w) for w in MEMBERS}
+        except grpc.aio.AioRpcError:  # a member re-executing
+            members = {}
+        if members == {w: [w] for w in MEMBERS}:
+            break
+        assert time.monotonic() < deadline, f"still merged: {members}"
+        time.sleep(0.5)
+    again = generate(cluster, SHORT, "short-whole", 8)
+    assert not isinstance(again, BaseException), again
+    compare_greedy(again.token_ids, *reference_for(SHORT, 8))
 
 
 def test_every_worker_stops_by_itself(cluster):

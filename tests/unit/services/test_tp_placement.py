@@ -183,3 +183,33 @@ def test_a_failed_scale_up_is_not_retried_on_every_ask():
     assert all(r.action == memory_manager_pb2.PlaceLongRequestReply.WAIT for r in replies)
     assert "not retried" in replies[-1].reason
     assert len([x for x in c.calls if x[0] == "w0" and len(x[1]) == 2]) == 1  # one TP2 ReformTP to rank 0
+
+
+def test_an_instance_merged_for_a_long_request_splits_back_once_idle():
+    import time
+
+    from kunserve.v1 import common_pb2
+
+    c = FakeCluster()
+    for w in ("w0", "w1"):
+        c.add(w).info.kv_tokens_by_degree.update({1: 1280, 2: 5632})
+    busy = {"w0": 1}
+
+    for fw in c.workers.values():
+        async def get_stats(request, timeout=None, fw=fw):
+            info = await fw.GetInfo(request)
+            return common_pb2.WorkerStats(worker_id=fw.worker_id, tp_members=list(info.tp_members),
+                                          num_running=busy.get(fw.worker_id, 0))
+        fw.GetStats = get_stats  # type: ignore[attr-defined]
+
+    placer = TPPlacer(reformer(c), idle_split_s=0.05)
+    assert _ask(placer, 2000).worker_id == "w0"
+    assert asyncio.run(placer.split_idle()) == []  # placed just now, and running a request
+    time.sleep(0.1)
+    asyncio.run(placer.split_idle())
+    assert asyncio.run(placer.split_idle()) == []  # still running its request
+    busy.clear()
+    asyncio.run(placer.split_idle())  # the idle spell starts
+    time.sleep(0.1)
+    assert asyncio.run(placer.split_idle()) == ["w0"]
+    assert c.workers["w0"].info.tp_degree == 1 and c.workers["w1"].info.tp_degree == 1
