@@ -29,6 +29,23 @@ def kunserve(*argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def kunserve_each(argvs: list[list[str]], timeout: float = 90.0) -> list[subprocess.CompletedProcess]:
+    """`kunserve(*argv)` for every argv, the processes running side by side (most of each is the interpreter's start
+    and the imports, or a wait for an address that does not answer)."""
+    procs = [(argv, subprocess.Popen([sys.executable, "-m", "kunserve.cli.main", *argv], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)) for argv in argvs]
+    done = []
+    for argv, p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for _, q in procs:
+                q.kill()
+            raise
+        done.append(subprocess.CompletedProcess([sys.executable, *argv], p.returncode, out, err))
+    return done
+
+
 def test_policies_are_checked():
     assert bench.parse_policies("kunserve, recompute") == ["kunserve", "recompute"]
     with pytest.raises(bench.BenchError, match="unknown policy 'vllm'"):
@@ -82,8 +99,8 @@ def test_bad_input_is_one_line(tmp_path):
         (["bench", "run", "--duration", "0.001", "--rate", "0.01", "--no-burst"], "empty"),
         (["bench", "run", "--address", "127.0.0.1:9", "--duration", "2", "--rate", "5"], "cannot reach the dispatcher"),
     ]
-    for argv, expected in cases:
-        out = kunserve(*argv, "--out", str(tmp_path / "o"))
+    outs = kunserve_each([[*argv, "--out", str(tmp_path / f"o{i}")] for i, (argv, _) in enumerate(cases)])
+    for (argv, expected), out in zip(cases, outs, strict=True):
         assert out.returncode == 1, (argv, out.stdout, out.stderr)
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("kunserve: ") and expected in lines[0], (argv, out.stderr)
@@ -306,8 +323,9 @@ def test_new_bad_input_is_one_line(tmp_path):
         (["bench", "compare", *gen, "--policies", "kunserve", "--external", f"v=http://127.0.0.1:{free}/v1"],
          "cannot reach the OpenAI endpoint"),
     ]
-    for argv, expected in cases:
-        out = kunserve(*argv, "--out", str(tmp_path / "o")) if argv[1] != "convert-trace" else kunserve(*argv)
+    outs = kunserve_each([[*argv, "--out", str(tmp_path / "o")] if argv[1] != "convert-trace" else argv
+                          for argv, _ in cases])
+    for (argv, expected), out in zip(cases, outs, strict=True):
         assert out.returncode == 1, (argv, out.stdout, out.stderr)
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("kunserve: ") and expected in lines[0], (argv, out.stderr)
