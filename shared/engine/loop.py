@@ -185,13 +185,15 @@ class EngineLoop:
                 self.log.exception("event_callback_failed", request_id=ev.request_id)
 
     def _apply_commands(self) -> None:
+        taken = False
         while True:
             with self._cv:
                 if not self._commands:
-                    return
+                    break
                 kind, arg = self._commands.popleft()
             if kind == "add":
                 assert isinstance(arg, EngineRequest)
+                taken = True
                 try:
                     self.engine.add_request(arg)
                 except NotServing:  # layers were dropped since submit: the dispatcher retries elsewhere
@@ -215,6 +217,8 @@ class EngineLoop:
                 seq = self.engine.seqs.get(arg)
                 if seq is not None and self.engine.abort(arg):
                     self._emit(TokenEvent(arg, -1, len(seq.generated), FinishReason.ABORTED))
+        if taken:  # no longer queued (stats() counts those): a report during the coming iteration must show them
+            self._stats = self.engine.stats()
 
     def _abort_all(self) -> None:
         """Every request still known gets a final ABORTED event; queued commands are dropped."""

@@ -147,4 +147,7 @@ def test_stats_count_requests_submitted_but_not_yet_taken_by_the_engine():
     assert (s.num_waiting, s.queued_demand_blocks) == (before.num_waiting + 2, before.queued_demand_blocks + 3 + 1)
     assert (s.num_offline_waiting, s.offline_queued_demand_blocks) == (1, 1)
     assert s.oldest_waiting_arrival == s.oldest_online_waiting_arrival == 5.0  # the unstamped offline one is not aged
+    loop._apply_commands()  # what the engine thread does at an iteration's start: taken, and still counted
+    t = loop.stats()
+    assert (t.num_waiting, t.queued_demand_blocks, t.num_offline_waiting) == (s.num_waiting, s.queued_demand_blocks, 1)
     loop.stop()
