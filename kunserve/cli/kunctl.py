@@ -591,8 +591,9 @@ def _mm_rpc(args: argparse.Namespace, fn):
     return _rpc(_target(args), fn, memory_manager_pb2_grpc.MemoryManagerStub)
 
 
-def _finish_transition(rep, args: argparse.Namespace) -> None:
-    _print(rep, args.json, lambda r: print(format_report(r)))
+def _finish_transition(rep, args: argparse.Namespace, fmt=None) -> None:
+    """Print a transition's report (`fmt`, default format_report; --json as is); exit 1 when it did not complete."""
+    _print(rep, args.json, lambda r: print((fmt or format_report)(r)))
     if not rep.completed:
         print(f"kunctl: {rep.op or 'transition'} not completed: {rep.error or 'no error given'}", file=sys.stderr)
         raise SystemExit(1)
@@ -639,21 +640,14 @@ def format_tp_report(rep) -> str:
     return "\n".join(lines)
 
 
-def _finish_tp(rep, args: argparse.Namespace) -> None:
-    _print(rep, args.json, lambda r: print(format_tp_report(r)))
-    if not rep.completed:
-        print(f"kunctl: {rep.op} not completed: {rep.error or 'no error given'}", file=sys.stderr)
-        raise SystemExit(1)
-
-
 def cmd_tp(args: argparse.Namespace) -> None:
     req = memory_manager_pb2.TransformTPRequest(worker_ids=args.group, degree=args.degree or 0)
-    _finish_tp(_mm_rpc(args, lambda stub: stub.TransformTP(req, timeout=max(args.timeout, 600))), args)
+    _finish_transition(_mm_rpc(args, lambda stub: stub.TransformTP(req, timeout=max(args.timeout, 600))), args, format_tp_report)
 
 
 def cmd_tp_split(args: argparse.Namespace) -> None:
     req = memory_manager_pb2.SplitTPRequest(worker_id=args.group)
-    _finish_tp(_mm_rpc(args, lambda stub: stub.SplitTP(req, timeout=max(args.timeout, 600))), args)
+    _finish_transition(_mm_rpc(args, lambda stub: stub.SplitTP(req, timeout=max(args.timeout, 600))), args, format_tp_report)
 
 
 def build_parser() -> argparse.ArgumentParser:
