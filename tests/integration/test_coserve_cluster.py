@@ -1,17 +1,20 @@
 """Co-serving composed with the parameter drop on a real 2-worker cluster (ConServe request classes under KunServe).
 
-Offline requests fill every worker's KV and queue far beyond it (and wait longer than the TTFT SLO): the monitor,
-with ``monitor.auto_drop`` on, sees no overload and drops nothing, since offline work only harvests what online work
-leaves. An online burst beyond the cluster's capacity then makes it drop. Two long offline requests decode across
-that drop and a restore (and are cancelled once they have decoded a few tokens after it: their budget is only there
-to keep them decoding until the restore, whenever it comes); every token of every request, offline and online, is the
-reference's greedy one. The assertions are about what the monitor saw and decided, never about time.
+Offline requests fill every worker's KV and queue far beyond it (and wait longer than the TTFT SLO): the monitor, with
+``monitor.auto_drop`` on, sees no overload and drops nothing, since offline work only harvests what online work
+leaves. That backlog is cancelled once the monitor has been watched through enough of it (its budget only keeps it
+queued for as long as watching takes, however slow the machine). An online burst beyond the cluster's capacity then
+makes it drop. Two long offline requests decode across that drop and a restore (and are cancelled once they have
+decoded a few tokens after it: their budget is only there to keep them decoding until the restore, whenever it comes);
+every token of every request, offline and online, is the reference's greedy one. The assertions are about what the
+monitor saw and decided, never about time.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 from drop_scenarios import check_all, memory_manager, prompts_for, wait_tokens
 from helpers import check_against_reference, internal_channel, make_config, run
@@ -25,7 +28,7 @@ pytestmark = pytest.mark.timeout(300)
 WORKERS = ("worker-0", "worker-1")
 LONG_TOKENS = 1200    # the long offline requests: still decoding when the restore comes
 AFTER_RESTORE = 8     # tokens each of them decodes after the restore before it is cancelled
-FILLER_TOKENS = 64
+FILLER_BUDGET = 400   # the offline backlog: still queued beyond the KV when the watching ends, then cancelled
 ONLINE_TOKENS = 48
 BLIND_REPORTS = 10    # fresh reports per worker in which a class-blind monitor would have dropped
 
@@ -84,6 +87,13 @@ async def _offline_overload_is_no_overload(monitor, gen: asyncio.Task) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _cancel_if_running(ch, request_id: str) -> None:
+    try:
+        await client.cancel(ch, request_id)
+    except grpc.aio.AioRpcError as exc:  # it finished (or never started) before the cancel: nothing to stop
+        assert exc.code() == grpc.StatusCode.NOT_FOUND, exc
+
+
 async def _wait_for_group(mm, gen: asyncio.Task) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + 120
@@ -108,13 +118,16 @@ def test_offline_work_is_harvested_not_dropped_for_and_lives_through_drop_and_re
                     internal_channel(c, c.cfg.monitor.address) as mch, memory_manager(c) as mm):
             long = _stream(ch, long_prompts, LONG_TOKENS, progress, "long", offline=True)
             await wait_tokens(progress, len(long_prompts), 1, long)  # the oldest offline requests: never the victims
-            backlog = _stream(ch, fillers, FILLER_TOKENS, progress, "fill", offline=True)
+            backlog = _stream(ch, fillers, FILLER_BUDGET, progress, "fill", offline=True)
             await _offline_overload_is_no_overload(monitor_pb2_grpc.MonitorStub(mch), backlog)
+            for i in range(len(fillers)):
+                await _cancel_if_running(ch, f"fill{i}")
+            filler_results = await backlog
             layout = await mm.GetLayout(common_pb2.Empty(), timeout=10)
             assert all(w.group_id == w.worker_id for w in layout.workers), layout
             burst = _stream(ch, online, ONLINE_TOKENS, progress, "on", offline=False)
             await _wait_for_group(mm, burst)
-            online_results, filler_results = await burst, await backlog
+            online_results = await burst
             assert not long.done(), "the long offline requests ended before the restore"
             before = dict(progress)
             restore = await mm.Restore(memory_manager_pb2.RestoreRequest(), timeout=120)
@@ -132,6 +145,8 @@ def test_offline_work_is_harvested_not_dropped_for_and_lives_through_drop_and_re
     for p, r in zip(long_prompts, long_results):  # every token up to the cancel, across the drop and the restore
         assert r.finish_reason == "aborted" and AFTER_RESTORE < len(r.token_ids) < LONG_TOKENS, r
         check_against_reference(p, r.token_ids, len(r.token_ids))
-    check_all(fillers, filler_results, FILLER_TOKENS)
+    for p, r in zip(fillers, filler_results):  # cancelled queued or mid-decode: every token it had is the reference's
+        assert r.finish_reason == "aborted" or len(r.token_ids) == FILLER_BUDGET, r
+        check_against_reference(p, r.token_ids, len(r.token_ids))
     check_all(online, online_results, ONLINE_TOKENS)
     assert monitor_log.count("policy_drop_decided") == 1, monitor_log  # the online burst's, nothing for offline work
