@@ -1017,21 +1017,8 @@ class Engine:
         return self.clock.snapshot()
 
     def stats(self) -> EngineStats:
-        sch = self.scheduler
-        queued = sch.queued_demand_blocks()
-        offline_running, offline_waiting = sch.num_offline()
-        return EngineStats(
-            kv_blocks_total=self.allocator.num_blocks, kv_blocks_used=self.allocator.num_used, block_size=self.block_size,
-            num_running=len(sch.running), num_waiting=len(sch.waiting), queued_demand_blocks=queued,
-            num_preemptions=sch.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
-            generated_tokens_total=self.generated_tokens_total,
-            oldest_waiting_arrival=sch.oldest_waiting_arrival(),
-            num_offline_running=offline_running, num_offline_waiting=offline_waiting,
-            offline_kv_blocks_used=sch.offline_kv_blocks(),
-            offline_queued_demand_blocks=queued - sch.online_queued_demand_blocks(),
-            oldest_online_waiting_arrival=sch.oldest_online_waiting_arrival(),
-            **self._checkpoint_counts(),
-        )
+        return self.scheduler.stats(prompt_tokens_total=self.prompt_tokens_total,
+                                    generated_tokens_total=self.generated_tokens_total, **self._checkpoint_counts())
 
     def _checkpoint_counts(self) -> dict[str, int]:
         ck = self.checkpoint_stats()

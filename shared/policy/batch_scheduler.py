@@ -51,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kunserve.shared.engine.api import EngineRequest, InvalidRequest
+from kunserve.shared.engine.api import EngineRequest, EngineStats, InvalidRequest
 from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable, blocks_needed
 from kunserve.shared.policy.costmodel import BatchShape
 from kunserve.shared.policy.microbatch import WorkItem
@@ -645,6 +645,24 @@ class Scheduler:
     def offline_kv_blocks(self) -> int:
         """KV blocks offline requests hold: an online request takes them before anything else (preemption)."""
         return sum(len(s.block_table) for s in (*self.running, *self.waiting) if s.request.offline)
+
+    def stats(self, *, prompt_tokens_total: int, generated_tokens_total: int, **counts: int) -> EngineStats:
+        """The engine's stats snapshot, from this scheduler's queries and its allocator. One builder, so the engine
+        and the simulator report the same fields the same way; ``counts`` are the engine's own extra counters."""
+        queued = self.queued_demand_blocks()
+        offline_running, offline_waiting = self.num_offline()
+        return EngineStats(
+            kv_blocks_total=self.allocator.num_blocks, kv_blocks_used=self.allocator.num_used,
+            block_size=self.block_size, num_running=len(self.running), num_waiting=len(self.waiting),
+            queued_demand_blocks=queued, num_preemptions=self.num_preemptions,
+            prompt_tokens_total=prompt_tokens_total, generated_tokens_total=generated_tokens_total,
+            oldest_waiting_arrival=self.oldest_waiting_arrival(),
+            num_offline_running=offline_running, num_offline_waiting=offline_waiting,
+            offline_kv_blocks_used=self.offline_kv_blocks(),
+            offline_queued_demand_blocks=queued - self.online_queued_demand_blocks(),
+            oldest_online_waiting_arrival=self.oldest_online_waiting_arrival(),
+            **counts,
+        )
 
     def num_offline(self) -> tuple[int, int]:
         """(running, waiting) offline requests."""

@@ -169,6 +169,7 @@ ENTRY_POINTS: list[tuple[Any, str]] = [
     (batch_scheduler.Scheduler, "schedule"),
     (batch_scheduler.Scheduler, "preempt"),
     (batch_scheduler.Scheduler, "check_fits"),
+    (batch_scheduler.Scheduler, "stats"),
     (token_budget.SLOTokenBudget, "max_tokens_for"),
     (token_budget.SLOTokenBudget, "chunk_limit"),
     (measured_latency.MeasuredLatencyModel, "observe"),
