@@ -198,6 +198,7 @@ class WorkerPool:
             self.add(w.id, w.address)
         self._kv_tokens_seen = 0  # the routable units' KV capacity when last there was one (see capacity)
         self.elastic_tp = cfg.dispatcher.elastic_tp  # a request too long for every routable unit asks the memory manager
+        self.tp_members: dict[str, tuple[str, ...]] = {}  # worker -> its tensor-parallel instance's members, rank order
         self.router = FreenessRouter()
         self.reform_wait_s = cfg.memory_manager.transition_timeout_s + REFORM_RESTART_MARGIN_S
         self.liveness = Liveness(cfg.dispatcher.stall_timeout_s if stall_timeout_s is None else stall_timeout_s)
@@ -232,6 +233,7 @@ class WorkerPool:
         self.stubs.pop(wid, None)
         self.addresses.pop(wid, None)
         self.router.forget(wid)
+        self.tp_members.pop(wid, None)
         self._healthy.pop(wid, None)
         ch = self.channels.pop(wid, None)
         if ch is not None:
@@ -325,6 +327,7 @@ class WorkerPool:
         online = s.num_running + s.num_waiting - s.num_offline_running - s.num_offline_waiting
         self.router.update(RoutingLoad(wid, s.kv_blocks_total, s.kv_blocks_used, s.queued_demand_blocks,
                                        s.block_size or 16, alive, sent, serving=serving, online_requests=online))
+        self.tp_members[wid] = s.tp_members or (wid,)
         if s.reforming:
             self.reforming(wid, sent)
         self.mark(wid, alive)
@@ -457,6 +460,10 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         self.stopping = False  # shutdown() began: no new requests
         self.log = get_logger()
         self._refusing = False  # admission is refusing requests (logged when it starts and stops)
+        # dispatcher.elastic_tp: unit -> long requests (see long_requests.is_long) it holds now, counted per worker
+        # stream; and the merged units short requests avoid (logged when it changes)
+        self._long_held: dict[str, int] = {}
+        self._throttled: frozenset[str] = frozenset()
         pool.on_stall.append(self._worker_stalled)
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -747,11 +754,17 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             if not attach:
                 self.pool.router.routed(wid, rid, len(wreq.prompt_token_ids) + 1, time.monotonic(),
                                         offline=_offline(record))
+            long = self.pool.elastic_tp and long_requests.is_long(
+                self.pool.router, self.pool.tp_members, len(record.prompt_token_ids) + record.max_tokens)
+            if long:
+                self._long_held[wid] = self._long_held.get(wid, 0) + 1
             try:
                 async for ev in self._relay(record, seg, wreq):
                     yield ev
             finally:
                 self.pool.router.done(wid, rid)
+                if long:
+                    self._long_released(wid)
             if seg.finished:
                 return
             if record.cancelled or record.shutting_down or record.expired or seg.local_cancel:
@@ -857,7 +870,9 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
     async def _route(self, record: RequestRecord, dead: set[str], failures: list[str]) -> str | None:
         """The most-free routable worker not in `dead` (an offline request: the one where online work leaves
         the most room, `FreenessRouter.choose_offline`); waits (re-polling) while none is routable but
-        some candidate is alive, up to route_timeout_s without a token. None: cancelled / shutting down."""
+        some candidate is alive, up to route_timeout_s without a token. None: cancelled / shutting down.
+        With dispatcher.elastic_tp a short request avoids the merged units that hold no long request while another
+        unit has room for it (`long_requests.choose_unthrottled`)."""
         router = self.pool.router
         if record.route_deadline is None:
             record.route_deadline = time.monotonic() + self.route_timeout_s
@@ -867,6 +882,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             if record.cancelled or record.shutting_down or record.expired or self.stopping:
                 return None
             avoid = dead | self.pool.draining
+            throttled: frozenset[str] = frozenset()
             if self.pool.elastic_tp:
                 whole_life = len(record.prompt_token_ids) + record.max_tokens
                 fits, small = long_requests.split_by_fit(router, whole_life, exclude=avoid)
@@ -885,9 +901,11 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                     await self._pause(record, ROUTE_RETRY_S)
                     await self.pool.refresh()
                     continue
-            wid = dispatch_rules.choose_worker(router, offline=_offline(record),
-                                               tokens=len(record.prompt_token_ids) + len(record.token_ids) + 1,
-                                               exclude=avoid)
+                if not long_requests.is_long(router, self.pool.tp_members, whole_life):
+                    throttled = self._throttled_units()
+            wid = long_requests.choose_unthrottled(router, offline=_offline(record),
+                                                   tokens=len(record.prompt_token_ids) + len(record.token_ids) + 1,
+                                                   throttled=throttled, exclude=avoid)
             if wid is not None:
                 if logged:
                     self.log.info("routable_worker_found", request_id=record.request_id, worker=wid)
@@ -902,6 +920,23 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
                 await self._pause(record, ROUTE_RETRY_S)
             await self.pool.refresh()  # maybe a worker is just coming (back) up or finished a transition
             polled = True
+
+    def _throttled_units(self) -> frozenset[str]:
+        """dispatcher.elastic_tp: the merged units holding no long request, which short requests avoid while another
+        unit has room (Gyges Algorithm 2's reduced rate: they drain, go idle and are split back)."""
+        throttled = long_requests.throttled_units(self.pool.tp_members, self._long_held)
+        if throttled != self._throttled:
+            self.log.info("tp_throttled", units=sorted(throttled),
+                          long_held={w: n for w, n in sorted(self._long_held.items())})
+            self._throttled = throttled
+        return throttled
+
+    def _long_released(self, wid: str) -> None:
+        left = self._long_held.get(wid, 0) - 1
+        if left > 0:
+            self._long_held[wid] = left
+        else:
+            self._long_held.pop(wid, None)
 
     async def _place_long(self, record: RequestRecord, whole_life: int) -> tuple[str | None, str]:
         """dispatcher.elastic_tp: ask the memory manager where a request too long for every routable unit goes (it

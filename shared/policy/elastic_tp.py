@@ -302,7 +302,9 @@ class IdleSplitPolicy:
     parallelism (Gyges)"): an instance at TP>1 that has held no request, and was given none by placement, for
     ``idle_s`` is split. Algorithm 2 splits an instance once its requests would fit the smaller ones, throttling
     routing to it meanwhile; a cold split hands every running request over to be re-prefilled, so splitting only an
-    idle instance is what keeps the split from costing the requests anything. ``idle_s`` <= 0: never split."""
+    idle instance is what keeps the split from costing the requests anything. The throttling is the dispatcher's
+    (``long_requests.choose_unthrottled``): short requests avoid a merged instance holding no long request while
+    another instance has room, so under steady short traffic it does go idle. ``idle_s`` <= 0: never split."""
 
     idle_s: float
     _idle_since: dict[str, float] = field(default_factory=dict)
