@@ -25,8 +25,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import grpc
-
 from kunserve.shared.log import get_logger
 from kunserve.shared.policy.elastic_tp import (
     DEGREES,
@@ -42,7 +40,7 @@ from kunserve.shared.policy.elastic_tp import (
 from kunserve.v1 import common_pb2, memory_manager_pb2, worker_pb2
 
 from .orchestrator import OrchestrationError
-from .tp_reform import TPReformer
+from .tp_reform import TPReformer, ask_reachable
 
 PlaceReply = memory_manager_pb2.PlaceLongRequestReply
 INFO_TIMEOUT_S = 2.0
@@ -198,19 +196,9 @@ class TPPlacer:
     async def _workers(self) -> list[PlacementWorker]:
         """Every reachable member as its GetInfo reports it now."""
         cluster = self.reformer.cluster
-
-        async def one(w: str) -> PlacementWorker | None:
-            stub = cluster.worker_stub(w)
-            if stub is None:
-                return None
-            try:
-                info = await stub.GetInfo(common_pb2.Empty(), timeout=INFO_TIMEOUT_S)
-            except grpc.aio.AioRpcError:
-                return None
-            return placement_worker(info, cluster.worker_host(w) or "")
-
-        got = await asyncio.gather(*(one(w) for w in cluster.worker_ids))
-        return [w for w in got if w is not None]
+        infos = await ask_reachable(cluster, cluster.worker_ids,
+                                    lambda stub: stub.GetInfo(common_pb2.Empty(), timeout=INFO_TIMEOUT_S))
+        return [placement_worker(info, cluster.worker_host(w) or "") for w, info in infos.items()]
 
     async def _scale_up(self, req: memory_manager_pb2.PlaceLongRequestRequest, plan: ScaleUp, limit: int) -> PlaceReply:
         failed_at = self._failed.get(plan.members)
@@ -248,20 +236,11 @@ class TPPlacer:
     async def split_idle(self) -> list[str]:
         """One round: the instances split now (their rank 0s)."""
         cluster = self.reformer.cluster
-
-        async def one(w: str) -> tuple[str, int, bool] | None:
-            stub = cluster.worker_stub(w)
-            if stub is None:
-                return None
-            try:
-                st = await stub.GetStats(common_pb2.Empty(), timeout=INFO_TIMEOUT_S)
-            except grpc.aio.AioRpcError:
-                return None
-            if len(st.tp_members) < 2 or st.tp_members[0] != w:
-                return None  # a whole instance or a follower: rank 0 speaks for its instance
-            return w, len(st.tp_members), st.num_running == 0 and st.num_waiting == 0
-
-        seen = [x for x in await asyncio.gather(*(one(w) for w in cluster.worker_ids)) if x is not None]
+        stats = await ask_reachable(cluster, cluster.worker_ids,
+                                    lambda stub: stub.GetStats(common_pb2.Empty(), timeout=INFO_TIMEOUT_S))
+        # rank 0 speaks for its instance; whole instances and followers are not split
+        seen = [(w, len(st.tp_members), st.num_running == 0 and st.num_waiting == 0)
+                for w, st in stats.items() if len(st.tp_members) >= 2 and st.tp_members[0] == w]
         async with self._lock:  # no placement decides on an instance while it splits
             due = self.idle_split.observe(time.monotonic(), seen)
             for inst in due:

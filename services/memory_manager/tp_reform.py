@@ -26,7 +26,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 
@@ -180,6 +180,28 @@ def instance_pb(members: Sequence[str], w: TPWorker | None) -> memory_manager_pb
     return memory_manager_pb2.TPInstance(members=list(members), kv_blocks=blocks, kv_tokens=blocks * (w.block_size if w is not None else 0))
 
 
+Reply = TypeVar("Reply")
+
+
+async def ask_reachable(cluster: ClusterAccess, ids: Sequence[str],
+                        ask: Callable[[worker_pb2_grpc.WorkerStub], Awaitable[Reply]]) -> dict[str, Reply]:
+    """``ask(stub)`` of every worker in `ids` at once -> {worker: reply} of those that answered. A worker the cluster
+    has no stub for, or whose call fails, is left out: re-forms and placement decide over the workers they can reach,
+    and a member that cannot answer makes its instance unusable to them anyway."""
+
+    async def one(w: str) -> Reply | None:
+        stub = cluster.worker_stub(w)
+        if stub is None:
+            return None
+        try:
+            return await ask(stub)
+        except grpc.aio.AioRpcError:
+            return None
+
+    got = await asyncio.gather(*(one(w) for w in ids))
+    return {w: r for w, r in zip(ids, got) if r is not None}
+
+
 class TPReformer:
     """Drives TransformTP / SplitTP through the workers' ReformTP (module docstring)."""
 
@@ -209,18 +231,9 @@ class TPReformer:
     async def _infos(self, ids: Sequence[str], timeout: float = 5.0, wait: bool = True) -> dict[str, TPWorker]:
         """The reachable ones of `ids`."""
         known = set(self.cluster.worker_ids)
-
-        async def one(w: str) -> TPWorker | None:
-            if w not in known:
-                return None
-            try:
-                info = await self._stub(w).GetInfo(common_pb2.Empty(), timeout=timeout, wait_for_ready=wait)
-            except grpc.aio.AioRpcError:
-                return None
-            return tp_worker(info, self.cluster.worker_host(w) or "")
-
-        got = await asyncio.gather(*(one(w) for w in ids))
-        return {w: i for w, i in zip(ids, got) if i is not None}
+        infos = await ask_reachable(self.cluster, [w for w in ids if w in known],
+                                    lambda stub: stub.GetInfo(common_pb2.Empty(), timeout=timeout, wait_for_ready=wait))
+        return {w: tp_worker(info, self.cluster.worker_host(w) or "") for w, info in infos.items()}
 
     async def _each(
         self, workers: Sequence[str], call: Callable[[str, worker_pb2_grpc.WorkerStub], Awaitable[worker_pb2.ReformTPReply]]
