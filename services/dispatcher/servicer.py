@@ -924,7 +924,8 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
     def _throttled_units(self) -> frozenset[str]:
         """dispatcher.elastic_tp: the merged units holding no long request, which short requests avoid while another
         unit has room (Gyges Algorithm 2's reduced rate: they drain, go idle and are split back)."""
-        throttled = long_requests.throttled_units(self.pool.tp_members, self._long_held)
+        throttled = frozenset(w for w in long_requests.throttled_units(self.pool.tp_members, self._long_held)
+                              if self.pool.router.routable(w))  # a departed head's stale members are no unit
         if throttled != self._throttled:
             self.log.info("tp_throttled", units=sorted(throttled),
                           long_held={w: n for w, n in sorted(self._long_held.items())})

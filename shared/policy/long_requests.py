@@ -71,9 +71,10 @@ def throttled_units(tp_members: TPMembers, long_held: Mapping[str, int]) -> froz
 
 
 def has_room(router: FreenessRouter, wid: str, tokens: int) -> bool:
-    """The unit's freeness holds `tokens` (a request's prompt, the tokens it has, the next one) now."""
+    """The unit would start a request of `tokens` (its prompt, the tokens it has, the next one) now: nothing waits
+    there (a worker also queues at its batch limits with KV free) and its freeness holds the request."""
     load = router.workers[wid]
-    return router.freeness(wid) >= -(-tokens // max(1, load.block_size))
+    return load.queued_demand_blocks == 0 and router.freeness(wid) >= -(-tokens // max(1, load.block_size))
 
 
 def choose_unthrottled(

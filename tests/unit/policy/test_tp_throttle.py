@@ -97,3 +97,13 @@ def test_pending_routes_count_against_room():
     assert choose_unthrottled(r, offline=False, tokens=3 * BS, throttled=frozenset({"w0"})) == "w2"
     r.routed("w2", "a", 2 * BS, now=1.0)  # its report does not show this one yet
     assert choose_unthrottled(r, offline=False, tokens=3 * BS, throttled=frozenset({"w0"})) == "w0"
+
+
+def test_a_unit_where_requests_wait_has_no_room_whatever_its_free_kv():
+    """A worker also queues at its batch limits with KV free: a short request does not wait there while a throttled
+    unit would start it now."""
+    r = router({"w0": 300, "w2": 50, "w3": 40})
+    assert choose_unthrottled(r, offline=False, tokens=BS, throttled=frozenset({"w0"})) == "w2"
+    r.workers["w2"].queued_demand_blocks = 1
+    r.workers["w3"].queued_demand_blocks = 1
+    assert choose_unthrottled(r, offline=False, tokens=BS, throttled=frozenset({"w0"})) == "w0"
