@@ -121,13 +121,27 @@ def test_sigterm_ends_in_flight_streams_with_unavailable(fresh_cluster, service)
 def test_malformed_config_is_a_one_line_cli_error(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[engine]\nblock_size = 'big'\n")
-    for argv in (["-m", "kunserve.cli.main", "--config", str(bad), "up"],
-                 ["-m", "kunserve.services.worker", "--config", str(bad), "--worker-id", "worker-0"],
-                 ["-m", "kunserve.cli.kunctl", "--config", str(bad), "status"]):
-        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60)
+    for out in _side_by_side([["-m", "kunserve.cli.main", "--config", str(bad), "up"],
+                              ["-m", "kunserve.services.worker", "--config", str(bad), "--worker-id", "worker-0"],
+                              ["-m", "kunserve.cli.kunctl", "--config", str(bad), "status"]]):
         assert out.returncode != 0
         assert "engine.block_size: expected an integer" in out.stderr
         assert "Traceback" not in out.stderr
+
+
+def _side_by_side(argvs: list[list[str]], env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """`python *argv` for every argv, the processes running at once (most of each is the interpreter's start and its
+    imports); every one is killed if any outlives 60 s."""
+    procs = [subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for argv in argvs]
+    try:
+        outputs = [p.communicate(timeout=60) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def test_unreachable_cluster_is_a_one_line_cli_error():
@@ -135,9 +149,8 @@ def test_unreachable_cluster_is_a_one_line_cli_error():
 
     addr = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "KUNSERVE_ADMIN_TOKEN": "an-admin-token-for-nobody-0123456789"}
-    for argv in (["-m", "kunserve.cli.main", "generate", "--address", addr, "--timeout", "3", "hi"],
-                 ["-m", "kunserve.cli.kunctl", "--address", addr, "--timeout", "3", "status"]):
-        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60, env=env)
+    for out in _side_by_side([["-m", "kunserve.cli.main", "generate", "--address", addr, "--timeout", "3", "hi"],
+                              ["-m", "kunserve.cli.kunctl", "--address", addr, "--timeout", "3", "status"]], env=env):
         assert out.returncode == 1 and "UNAVAILABLE" in out.stderr and "Traceback" not in out.stderr
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -29,20 +30,29 @@ def kunserve(*argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def kunserve_each(argvs: list[list[str]], timeout: float = 90.0) -> list[subprocess.CompletedProcess]:
-    """`kunserve(*argv)` for every argv, the processes running side by side (most of each is the interpreter's start
-    and the imports, or a wait for an address that does not answer)."""
-    procs = [(argv, subprocess.Popen([sys.executable, "-m", "kunserve.cli.main", *argv], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)) for argv in argvs]
+def kunserve_in_process(argvs: list[list[str]], capsys: pytest.CaptureFixture[str]) -> list[subprocess.CompletedProcess]:
+    """`kunserve(*argv)` for every argv through the CLI's own `main` in this process (what a bad-input case checks is
+    the exit code and the one stderr line; an interpreter start per case is what made these tests slow). The
+    entry point itself runs as a process in `test_convert_trace`."""
+    from kunserve.cli.main import main
+
     done = []
-    for argv, p in procs:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for _, q in procs:
-                q.kill()
-            raise
-        done.append(subprocess.CompletedProcess([sys.executable, *argv], p.returncode, out, err))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for argv in argvs:
+            capsys.readouterr()
+            try:
+                main(list(argv))
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+                if isinstance(exc.code, str):
+                    print(exc.code, file=sys.stderr)
+            out, err = capsys.readouterr()
+            done.append(subprocess.CompletedProcess(argv, code, out, err))
+    finally:  # a run installs its own Ctrl-C handlers: this process keeps pytest's
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return done
 
 
@@ -87,7 +97,7 @@ def test_csv_trace_lengths_scale_and_clamp(tmp_path):
     assert source["kind"] == "burstgpt_csv" and source["skipped_rows"] == 0
 
 
-def test_bad_input_is_one_line(tmp_path):
+def test_bad_input_is_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.csv"
     bad.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
                    "0,ChatGPT,10,5,15,Conversation log\n"
@@ -99,7 +109,7 @@ def test_bad_input_is_one_line(tmp_path):
         (["bench", "run", "--duration", "0.001", "--rate", "0.01", "--no-burst"], "empty"),
         (["bench", "run", "--address", "127.0.0.1:9", "--duration", "2", "--rate", "5"], "cannot reach the dispatcher"),
     ]
-    outs = kunserve_each([[*argv, "--out", str(tmp_path / f"o{i}")] for i, (argv, _) in enumerate(cases)])
+    outs = kunserve_in_process([[*argv, "--out", str(tmp_path / f"o{i}")] for i, (argv, _) in enumerate(cases)], capsys)
     for (argv, expected), out in zip(cases, outs, strict=True):
         assert out.returncode == 1, (argv, out.stdout, out.stderr)
         lines = out.stderr.strip().splitlines()
@@ -303,7 +313,7 @@ def test_convert_trace(tmp_path):
     assert [json.loads(line)["timestamp"] for line in (tmp_path / "m.out").read_text().splitlines()] == [0, 2250]
 
 
-def test_new_bad_input_is_one_line(tmp_path):
+def test_new_bad_input_is_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\n{"timestamp": 1, "input_length": 5}\n')
     with socket.socket() as sock:
@@ -323,8 +333,8 @@ def test_new_bad_input_is_one_line(tmp_path):
         (["bench", "compare", *gen, "--policies", "kunserve", "--external", f"v=http://127.0.0.1:{free}/v1"],
          "cannot reach the OpenAI endpoint"),
     ]
-    outs = kunserve_each([[*argv, "--out", str(tmp_path / "o")] if argv[1] != "convert-trace" else argv
-                          for argv, _ in cases])
+    outs = kunserve_in_process([[*argv, "--out", str(tmp_path / "o")] if argv[1] != "convert-trace" else argv
+                                for argv, _ in cases], capsys)
     for (argv, expected), out in zip(cases, outs, strict=True):
         assert out.returncode == 1, (argv, out.stdout, out.stderr)
         lines = out.stderr.strip().splitlines()
