@@ -34,6 +34,7 @@ from kunserve.benchkit.trace import TraceError, TraceRequest, describe, gamma_ar
 from kunserve.cli import bench
 from kunserve.shared.config import ClusterConfig, ConfigError, load_config
 from kunserve.shared.profile_files import ProfileError
+from kunserve.sim.elastic import GPUS_PER_HOST, TP_REFORM_S
 from kunserve.sim.hardware import UnknownAccelerator
 from kunserve.sim.scenario import (
     ClusterSpec,
@@ -61,6 +62,9 @@ CLUSTER_FLAGS = (
     "sequence_overhead_ms",
     "request_latency_ms",
     "forward_scale",
+    "elastic_tp",
+    "tp_reform_s",
+    "gpus_per_host",
 )
 VALIDATION_TARGETS = {"ttft_p50_s": 0.15, "tpot_p50_s": 0.15, "ttft_p99_s": 0.25, "output_tokens_per_s": 0.15}
 
@@ -197,8 +201,13 @@ def simulate_row(
         "kv_blocks_per_instance": setup.memory.undropped_blocks,
         "block_size": setup.shape.block_size,
         "overload_policy": setup.cfg.policy.overload,
+        "elastic_tp": setup.cfg.dispatcher.elastic_tp,
     }
     doc = bench.run_record(outcome.replay, policy=setup.label, trace_source=source, trace=trace, cluster=cluster)
+    tp = outcome.counters.get("tp")
+    if tp is not None:  # the elastic re-forms, beside the drops the samples show
+        doc["tp_scale_ups"] = tp["scale_ups"]
+        doc["tp_splits"] = tp["splits"]
     doc["simulation"] = {
         "time_model": setup.time.describe(),
         "transitions": outcome.transitions,
@@ -234,6 +243,8 @@ def cmd_simulate(args: argparse.Namespace, defaults: dict[str, Any]) -> int:
     if args.validate:
         return cmd_validate(args, base, scenario)
     spec = cluster_spec(args, scenario, base)
+    if spec.elastic_tp is not None:
+        base.dispatcher.elastic_tp = spec.elastic_tp
     path, device = machine_profile(base)
     rows = (
         bench.parse_policies(args.policies)
@@ -273,7 +284,9 @@ def cmd_simulate(args: argparse.Namespace, defaults: dict[str, Any]) -> int:
         s, sim = doc["summary"], doc["simulation"]
         console.print(
             f"  {row}: {s['completed']}/{s['requests']} completed, TTFT p99 {bench._ms(s['ttft']['p99'])} ms, "
-            f"TPOT p50 {bench._ms(s['tpot']['p50'])} ms, drops {doc['drops']}; {sim['simulated_s']:.0f} "
+            f"TPOT p50 {bench._ms(s['tpot']['p50'])} ms, drops {doc['drops']}"
+            + (f", TP scale-ups {doc['tp_scale_ups']} / splits {doc['tp_splits']}" if "tp_scale_ups" in doc else "")
+            + f"; {sim['simulated_s']:.0f} "
             f"simulated s in {sim['wall_s']:.1f} s ({sim['simulated_s_per_wall_s']:.0f}x)"
         )
     if len(rows) == 1:
@@ -545,6 +558,21 @@ def register(sub: Any) -> None:
     )
     c.add_argument("--profile-device", metavar="SIG", help="the profile's device signature when the file holds several")
     c.add_argument("--tp", type=int, help="GPUs per instance (tensor parallel; default 1)")
+    c.add_argument(
+        "--elastic-tp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="elastic tensor parallelism (sets dispatcher.elastic_tp): a request too long for every instance merges "
+        "co-located ones into a TP2/TP4 instance by cold re-form; idle merged instances split back (default: the "
+        "scenario's, else the config's)",
+    )
+    c.add_argument(
+        "--tp-reform-s",
+        type=float,
+        help=f"a cold re-form's restart time per member, before its weight shard loads at the host-to-device "
+        f"bandwidth (default {TP_REFORM_S:g})",
+    )
+    c.add_argument("--gpus-per-host", type=int, help=f"GPUs per host: a TP instance's members share one (default {GPUS_PER_HOST})")
     c.add_argument("--memory-utilization", type=float, help="share of each GPU's memory the pool takes (default 0.9)")
     c.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: the accelerator's)")
     c.add_argument("--network-gbps", type=float, help="bandwidth between instances (default 200 with an accelerator)")

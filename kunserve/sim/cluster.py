@@ -46,10 +46,12 @@ from kunserve.shared.engine.api import InvalidRequest
 from kunserve.shared.policy import dispatch_rules
 from kunserve.shared.policy.admission import Admission
 from kunserve.shared.policy.batch_scheduler import SchedulerConfig
+from kunserve.shared.policy.cluster import WorkerReport
 from kunserve.shared.policy.overload_policies import overload_handling
 from kunserve.shared.policy.router import FreenessRouter, RoutingLoad
 from kunserve.shared.wire.transitions import units_from_pb
 from kunserve.sim.control import ControlPlane
+from kunserve.sim.elastic import GPUS_PER_HOST, TP_REFORM_S, ElasticTP
 from kunserve.sim.shapes import Memory, ModelShape
 from kunserve.sim.timing import TimeModel
 from kunserve.sim.worker import NotServingHere, SimWorker, WorkerSetup
@@ -81,6 +83,8 @@ class SimRequest:
     error: str = ""
     route_deadline: float = math.inf
     served_by: list[str] = field(default_factory=list)  # the workers its tokens came from, in order (a move adds one)
+    resumed_at: int = 0  # tokens it had when its current worker took it (a re-form's hand-over resumes it)
+    handed_over: int = 0  # times a re-form handed it back to the dispatcher
 
     def result(self) -> RequestResult:
         """The bench's RequestResult of this request (the client sent it at its arrival)."""
@@ -122,10 +126,25 @@ class ClusterSetup:
     time: TimeModel
     instances: int
     label: str = ""
+    # dispatcher.elastic_tp: a cold re-form's restart constant, the co-location domain, and each merged degree's
+    # time model (a degree not given steps at `time`'s speed)
+    tp_reform_s: float = TP_REFORM_S
+    gpus_per_host: int = GPUS_PER_HOST
+    time_by_degree: dict[int, TimeModel] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.instances < 1:
             raise ValueError(f"instances must be >= 1, got {self.instances}")
+        if not (math.isfinite(self.tp_reform_s) and self.tp_reform_s >= 0):
+            raise ValueError(f"tp_reform_s must be >= 0, got {self.tp_reform_s}")
+        if self.gpus_per_host < 1:
+            raise ValueError(f"gpus_per_host must be >= 1, got {self.gpus_per_host}")
+        if self.cfg.dispatcher.elastic_tp and self.shape.tp != 1:
+            raise ValueError(f"elastic tensor parallelism merges whole single-GPU instances: tp must be 1, got {self.shape.tp}")
+
+    def time_for(self, degree: int) -> TimeModel:
+        """The time model of an instance of `degree` GPUs."""
+        return self.time_by_degree.get(degree, self.time)
 
 
 @dataclass
@@ -189,6 +208,7 @@ class Simulation:
             wid = f"worker-{i}"
             self.workers[wid] = SimWorker(self, wid, wsetup)
         self.router = FreenessRouter()
+        self.elastic = ElasticTP(self) if cfg.dispatcher.elastic_tp else None
         self.admission = Admission()
         self.limits = self._limits()
         self.control = ControlPlane(self, monitor_action=handling.monitor_action, static_pairs=handling.static_pairs)
@@ -226,6 +246,8 @@ class Simulation:
 
     def run(self) -> SimOutcome:
         self.control.start()
+        if self.elastic is not None:
+            self.elastic.start()
         self._poll()  # the dispatcher serves once every worker answered its first poll
         self.at(0.0, self._sample)
         if self.requests:
@@ -295,6 +317,8 @@ class Simulation:
         c["admission_refused"] = self.admission.refused_total
         c["budget"] = self.budget_reason
         c["microbatches_by"] = self.former_reason
+        if self.elastic is not None:
+            c["tp"] = dict(self.elastic.counters)
         return c
 
     # -- requests ---------------------------------------------------------------------------------------------------
@@ -350,14 +374,29 @@ class Simulation:
             return
         now = self.now
         router = self.router
-        wid = dispatch_rules.choose_worker(router, offline=req.offline, tokens=req.prompt_tokens + req.emitted + 1)
+        if self.elastic is not None:
+            wid = self.elastic.choose(req)
+            if req.done or self.elastic.parked(req):
+                return
+        else:
+            wid = dispatch_rules.choose_worker(router, offline=req.offline, tokens=req.prompt_tokens + req.emitted + 1)
         if wid is None:
             if not dispatch_rules.may_wait_for_route(router, now, req.route_deadline):
                 self._fail(req, "UNAVAILABLE: no worker can take the request")
             else:
                 self.at(now + ROUTE_RETRY_S, self._route, req)
             return
-        router.routed(wid, req.request_id, req.prompt_tokens + 1, now, offline=req.offline)
+        self.send(req, wid)
+
+    route = _route
+
+    def send(self, req: SimRequest, wid: str) -> None:
+        """The dispatcher sends `req` to `wid` (its prompt and the tokens it has so far)."""
+        if req.done:
+            return
+        now = self.now
+        router = self.router
+        router.routed(wid, req.request_id, req.prompt_tokens + req.emitted + 1, now, offline=req.offline)
         req.routed_to = wid
         try:
             self.workers[wid].add(req)
@@ -367,6 +406,20 @@ class Simulation:
             self.at(now + ROUTE_RETRY_S, self._route, req)
         except InvalidRequest as exc:
             self._fail(req, f"INVALID_ARGUMENT: {exc}")
+        else:
+            if self.elastic is not None:
+                self.elastic.routed(req, wid)
+
+    def handed_over(self, req: SimRequest) -> None:
+        """A re-form handed the request back (its stream ended with FAILED_PRECONDITION): the dispatcher resumes it
+        on a routable unit, which re-prefills its prompt and the tokens it has."""
+        if req.routed_to:
+            self.router.done(req.routed_to, req.request_id)
+            req.routed_to = ""
+        if self.elastic is not None:
+            self.elastic.released(req)
+        req.handed_over += 1
+        self.at(self.now, self._route, req)
 
     def _queue_expired(self, req: SimRequest) -> None:
         if req.done or req.emitted:
@@ -385,12 +438,16 @@ class Simulation:
         req.done, req.ok, req.error = True, False, error
         self._ended(req, admitted)
 
+    fail = _fail
+
     def _ended(self, req: SimRequest, admitted: bool = True) -> None:
         self.outstanding -= 1
         if admitted:
             self.admission.release(req.request_id, self.now)
         if req.routed_to:
             self.router.done(req.routed_to, req.request_id)
+        if self.elastic is not None:
+            self.elastic.released(req)
         if req.offline:
             if self._online_left > 0:
                 self._submit_offline()
@@ -466,22 +523,8 @@ class Simulation:
         """The dispatcher's poll of every worker and, when due, every worker's report to the monitor."""
         now = self.now
         monitor = now + 1e-9 >= self._next_monitor
-        for wid, w in self.workers.items():
-            r = w.report()
-            online = r.num_running + r.num_waiting - r.num_offline_running - r.num_offline_waiting
-            self.router.update(
-                RoutingLoad(
-                    wid,
-                    r.kv_blocks_total,
-                    r.kv_blocks_used,
-                    r.queued_demand_blocks,
-                    r.block_size or 16,
-                    True,
-                    now,
-                    serving=r.routable,
-                    online_requests=online,
-                )
-            )
+        for wid in self.workers:
+            r = self.refresh_one(wid)
             if monitor:
                 self.control.load.observe(r, now)
         if monitor:
@@ -490,9 +533,32 @@ class Simulation:
             step = min(ROUTER_POLL_INTERVAL_S, self.cfg.monitor.stats_interval_s)
             self.at(now + step, self._poll)
 
+    def refresh_one(self, wid: str) -> WorkerReport:
+        """The dispatcher's poll of one worker (DispatcherPool.refresh_one)."""
+        r = self.workers[wid].report()
+        online = r.num_running + r.num_waiting - r.num_offline_running - r.num_offline_waiting
+        self.router.update(
+            RoutingLoad(
+                wid,
+                r.kv_blocks_total,
+                r.kv_blocks_used,
+                r.queued_demand_blocks,
+                r.block_size or 16,
+                True,
+                self.now,
+                serving=r.routable,
+                online_requests=online,
+            )
+        )
+        if self.elastic is not None:
+            self.elastic.observe(wid, r.tp_members)
+        return r
+
     def _sample(self) -> None:
         """The bench sampler's view (replay.sample_from_status): KV over the serving units' heads, the units."""
-        units = {w.unit.unit_id: w.unit for w in self.workers.values()}
+        # a tensor-parallel follower is part of its rank 0's instance, whose KV rank 0 reports
+        serving_side = [w for w in self.workers.values() if not w.is_tp_follower]
+        units = {w.unit.unit_id: w.unit for w in serving_side}
         used = total = queued = 0
         for u in units.values():
             head = self.workers[u.head]
@@ -507,7 +573,7 @@ class Simulation:
                 queued_demand_blocks=queued,
                 units=len(units),
                 pipelined_units=sum(1 for u in units.values() if u.is_group),
-                workers=len(self.workers),
+                workers=len(serving_side),
                 epoch=max(w.epoch for w in self.workers.values()),
                 kv_blocks_undropped=self.memory.undropped_blocks * len(self.workers),
             )

@@ -100,6 +100,10 @@ class SimWorkerStub:
         return self.control.sim.workers[self.worker_id]
 
     async def GetInfo(self, request: Any, **_: Any) -> worker_pb2.WorkerInfo:  # noqa: N802 (gRPC method names)
+        return self.info()
+
+    def info(self) -> worker_pb2.WorkerInfo:
+        """GetInfo's answer now (elastic TP's placement reads it synchronously, as one decision)."""
         w = self._worker
         sim = self.control.sim
         return worker_pb2.WorkerInfo(
@@ -118,7 +122,10 @@ class SimWorkerStub:
             group_members=list(w.unit.worker_ids),
             epoch=w.epoch,
             serving=w.serving,
-            transitioning=w.paused,
+            transitioning=w.paused and not w.reforming,
+            tp_degree=w.tp_degree,
+            tp_members=list(w.tp_members) if w.tp_degree > 1 else [],
+            kv_tokens_by_degree=sim.elastic.tokens_by_degree if sim.elastic is not None and w.held_layers == w.num_layers else {},
         )
 
     async def GetMemoryMap(self, request: Any, **_: Any) -> worker_pb2.MemoryMap:  # noqa: N802

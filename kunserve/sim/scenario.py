@@ -16,6 +16,9 @@ simulated ones::
     model = "qwen2.5-14b"       # a shipped shape, a model directory, or a config.json
     accelerator = "A800"        # or profile = "FILE" (a `kunserve profile` file)
     tp = 1                      # GPUs per instance
+    elastic_tp = false          # merge whole instances into TP2/TP4 for long requests (dispatcher.elastic_tp)
+    tp_reform_s = 15.0          # a cold re-form's restart, before the member's weight shard loads
+    gpus_per_host = 8           # co-location domain: a TP instance's members share a host
     memory_utilization = 0.9    # of each GPU's memory the pool takes
     network_gbps = 200          # between instances
 
@@ -44,6 +47,7 @@ from typing import Any
 
 from kunserve.shared.config import ClusterConfig
 from kunserve.sim.cluster import ClusterSetup
+from kunserve.sim.elastic import GPUS_PER_HOST, TP_REFORM_S
 from kunserve.sim.hardware import Accelerator, accelerator
 from kunserve.sim.shapes import Memory, ModelShape, ShapeError, load_model_config
 from kunserve.sim.timing import Links, TimeModel, profile_from_file, roofline_links, roofline_profile
@@ -73,6 +77,9 @@ CLUSTER_KEYS = {
     "request_latency_ms": float,
     "sequence_overhead_ms": float,
     "forward_scale": float,
+    "elastic_tp": bool,
+    "tp_reform_s": float,
+    "gpus_per_host": int,
 }
 TRACE_KEYS = {
     "trace": str,
@@ -201,6 +208,9 @@ class ClusterSpec:
     request_latency_ms: float = 0.0
     sequence_overhead_ms: float = 0.0
     forward_scale: float = 1.0
+    elastic_tp: bool | None = None  # given: sets dispatcher.elastic_tp (cmd_simulate)
+    tp_reform_s: float = TP_REFORM_S
+    gpus_per_host: int = GPUS_PER_HOST
 
     def check(self) -> None:
         if self.instances < 1:
@@ -219,6 +229,10 @@ class ClusterSpec:
                 raise ScenarioError(f"{name} must be >= 0, got {value}")
         if not (math.isfinite(self.forward_scale) and self.forward_scale > 0):
             raise ScenarioError(f"forward_scale must be > 0, got {self.forward_scale}")
+        if not (math.isfinite(self.tp_reform_s) and self.tp_reform_s >= 0):
+            raise ScenarioError(f"tp_reform_s must be >= 0, got {self.tp_reform_s}")
+        if self.gpus_per_host < 1:
+            raise ScenarioError(f"gpus_per_host must be >= 1, got {self.gpus_per_host}")
 
 
 def _pool_bytes(spec: ClusterSpec, acc: Accelerator | None, cfg: ClusterConfig) -> int:
@@ -241,6 +255,8 @@ def build_setup(
     """The ClusterSetup of `spec` under `cfg`. The time model: the roofline of spec.accelerator, else the profile
     file spec.profile, else `local_profile` (the file this machine's workers use) for `local_device`."""
     spec.check()
+    if cfg.dispatcher.elastic_tp and spec.tp != 1:
+        raise ScenarioError(f"elastic tensor parallelism merges whole single-GPU instances: tp must be 1, got {spec.tp}")
     try:
         shape = ModelShape(load_model_config(spec.model, None), block_size=cfg.engine.block_size, tp=spec.tp)
     except ShapeError as exc:
@@ -250,6 +266,7 @@ def build_setup(
         memory = Memory(shape, _pool_bytes(spec, acc, cfg), cfg.engine.page_kib * 1024)
     except ShapeError as exc:
         raise ScenarioError(str(exc)) from None
+    by_degree: dict[int, TimeModel] = {}
     overheads = {
         "iteration_overhead_s": spec.iteration_overhead_ms / 1e3,
         "request_latency_s": spec.request_latency_ms / 1e3,
@@ -259,6 +276,10 @@ def build_setup(
     if acc is not None:
         links = roofline_links(acc, spec.network_gbps if spec.network_gbps is not None else DEFAULT_NETWORK_GBPS)
         time = TimeModel(roofline_profile(shape, acc), links, f"roofline {acc.name} x{spec.tp}", **overheads)
+        if cfg.dispatcher.elastic_tp:  # a merged instance of d GPUs steps at the roofline of d GPUs
+            for d in (2, 4):
+                tp_shape = dataclasses.replace(shape, tp=d)
+                by_degree[d] = TimeModel(roofline_profile(tp_shape, acc), links, f"roofline {acc.name} x{d}", **overheads)
     else:
         path = spec.profile or local_profile
         if not path:
@@ -267,7 +288,17 @@ def build_setup(
         profile = profile_from_file(path, shape, device)
         links = LOCAL_LINKS if spec.network_gbps is None else dataclasses.replace(LOCAL_LINKS, network=spec.network_gbps * 1e9 / 8)
         time = TimeModel(profile, links, f"profile {path}: {profile.key}", **overheads)
-    return ClusterSetup(cfg, shape, memory, time, spec.instances, label)
+    return ClusterSetup(
+        cfg,
+        shape,
+        memory,
+        time,
+        spec.instances,
+        label,
+        tp_reform_s=spec.tp_reform_s,
+        gpus_per_host=spec.gpus_per_host,
+        time_by_degree=by_degree,
+    )
 
 
 def machine_profile(cfg: ClusterConfig) -> tuple[str | None, str]:

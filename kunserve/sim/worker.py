@@ -15,6 +15,10 @@ A worker holds a contiguous layer range and plays one of the engine's three role
   logits come back; sequences in flight are pinned.
 * later **stage**: busy while it runs a microbatch of its head.
 
+With elastic tensor parallelism (``elastic.py``) a worker is also the **rank 0** of a merged TP2 / TP4 instance
+(a whole instance with the merged instance's KV capacity and step time), a **follower** of one (it serves nothing:
+rank 0 speaks for the instance), or **re-forming** (a cold re-form: it serves nothing until it comes back).
+
 Requests carry lengths, not tokens: a prompt is that many placeholder ids and every sampled token the same id,
 which is all the scheduler's block accounting and FCFS order read. What the engine does between these steps that
 is not a policy (building tensors, sampling) costs nothing here; what it does that is a policy is the policy's
@@ -42,6 +46,7 @@ from kunserve.shared.policy.microbatch import DecodeSplit, MicrobatchFormer
 
 if TYPE_CHECKING:
     from kunserve.sim.cluster import SimRequest, Simulation
+    from kunserve.sim.timing import TimeModel
 
 PLACEHOLDER_TOKEN = 1  # every prompt and generated token: lengths are what the simulation is about
 ENGINE_CLOCK_BASE_S = 1000.0  # engine arrival stamps are sim time + this (the engine treats a stamp of 0 as unset)
@@ -117,6 +122,9 @@ class SimWorker:
         self.unit = Unit(worker_id, (self.member,))
         self.epoch = 0
         self.allocator = BlockAllocator(self.memory.undropped_blocks)
+        self.time = sim.time  # the step times of this worker's instance (a merged one's are its degree's)
+        self.tp_members: tuple[str, ...] = (worker_id,)  # its tensor-parallel instance in rank order
+        self.reforming = False  # a cold re-form holds it: it serves nothing until it comes back
         self.scheduler = Scheduler(self.allocator, setup.block_size, setup.scheduler, setup.budget)
         self.scheduler.swapper = self
         self.latency: MeasuredLatencyModel | None = None
@@ -157,9 +165,17 @@ class SimWorker:
         return self.unit.is_group and self.unit.head != self.worker_id
 
     @property
+    def is_tp_follower(self) -> bool:
+        return len(self.tp_members) > 1 and self.tp_members[0] != self.worker_id
+
+    @property
+    def tp_degree(self) -> int:
+        return len(self.tp_members)
+
+    @property
     def serving(self) -> bool:
-        """Routable: a whole instance or the head of a group (Engine.serving), not in a transition."""
-        return not self.is_stage
+        """Routable: a whole instance, a group's head or a TP instance's rank 0 (Engine.serving), not re-forming."""
+        return not self.is_stage and not self.is_tp_follower and not self.reforming
 
     def _budget_for(self, group_size: int) -> None:
         """Engine._budget_for: the configured budget, under a fresh measured latency when it is ConServe's SLO
@@ -217,10 +233,13 @@ class SimWorker:
         """Engine.add_request: NotServingHere when it takes none now; InvalidRequest for what it could never run."""
         if not self.serving or self.paused:
             raise NotServingHere(f"worker {self.worker_id} is not serving")
+        # a resumed request (handed over by a re-form) re-prefills its prompt and the tokens it has, as the
+        # dispatcher resends them
+        request.resumed_at = request.emitted
         req = EngineRequest(
             request.request_id,
-            [PLACEHOLDER_TOKEN] * request.prompt_tokens,
-            SamplingParams(max_tokens=request.output_tokens, ignore_eos=True),
+            [PLACEHOLDER_TOKEN] * (request.prompt_tokens + request.emitted),
+            SamplingParams(max_tokens=request.output_tokens - request.emitted, ignore_eos=True),
             arrival_time=self.sim.now + ENGINE_CLOCK_BASE_S,
             offline=request.offline,
         )
@@ -267,7 +286,7 @@ class SimWorker:
     # -- the loop ---------------------------------------------------------------------------------------------------
     def kick(self) -> None:
         """Start work if there is some and nothing holds the engine."""
-        if self.paused or self.is_stage:
+        if self.paused or self.is_stage or self.is_tp_follower:
             return
         if self.is_head:
             self._head_step()
@@ -275,7 +294,7 @@ class SimWorker:
             self._start_iteration()
 
     def _step_s(self, shape: BatchShape, layers: int) -> float:
-        return self.sim.time.step_s(shape, layers, self.num_layers)
+        return self.time.step_s(shape, layers, self.num_layers)
 
     def _predict(self, shape: BatchShape) -> float:
         model = getattr(self.scheduler.budget, "model", None)
@@ -366,7 +385,7 @@ class SimWorker:
             self.seqs.pop(seq.request_id, None)
             self.requests.pop(seq.request_id, None)
             self.scheduler.remove(seq)
-        self.sim.token(request, len(seq.generated) - 1, finished)
+        self.sim.token(request, request.resumed_at + len(seq.generated) - 1, finished)
 
     # -- a pipeline group's head -------------------------------------------------------------------------------------
     def _head_step(self) -> None:
@@ -462,6 +481,33 @@ class SimWorker:
         self.paused = False
         self.kick()
 
+    # -- elastic tensor parallelism (cold re-form) -------------------------------------------------------------------
+    def hand_over(self) -> list[SimRequest]:
+        """A quiet, paused worker gives every request it holds back to the dispatcher (the re-form's drain): their
+        KV is freed, and they resume elsewhere by re-prefilling prompt + emitted tokens."""
+        assert self.quiet, f"{self.worker_id}: hand-over with work in flight"
+        out = []
+        for rid in sorted(self.seqs, key=lambda r: self.seqs[r].order):
+            out.append(self.requests[rid])
+            self.abort(rid)
+        return out
+
+    def take_tp_role(self, members: tuple[str, ...], kv_blocks: int, time: TimeModel) -> None:
+        """Come back from a re-form as a member of the instance `members` (one: a whole instance again): rank 0
+        with the instance's KV blocks and step times, a follower with nothing (Engine started anew)."""
+        self.tp_members = members
+        self.time = time
+        self.unit = Unit(self.worker_id, (self.member,))
+        self.seqs.clear()
+        self.requests.clear()
+        self.held.clear()
+        self.iteration = None
+        self.allocator = BlockAllocator(kv_blocks)  # a follower's pool is rank 0's: it reports the same blocks
+        self.scheduler.reset(self.allocator)
+        self._budget_for(0)
+        self.reforming = False
+        self.resume()
+
     def _check_quiet(self) -> None:
         if self.paused and self._quiet_waiters and self.quiet:
             waiters, self._quiet_waiters = self._quiet_waiters, []
@@ -471,8 +517,9 @@ class SimWorker:
     # -- observation -------------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """Engine.stats: the scheduler's own snapshot."""
-        return self.scheduler.stats(prompt_tokens_total=self.counters.prompt_tokens_total,
-                                    generated_tokens_total=self.counters.generated_tokens_total)
+        return self.scheduler.stats(
+            prompt_tokens_total=self.counters.prompt_tokens_total, generated_tokens_total=self.counters.generated_tokens_total
+        )
 
     def report(self) -> WorkerReport:
         """What the worker's stats stream says now (WorkerServicer.current_stats as the monitor reads it)."""
@@ -496,7 +543,7 @@ class SimWorker:
             unit_id=self.unit.unit_id,
             unit_members=self.unit.worker_ids,
             serving=self.serving,
-            transitioning=self.paused,
+            transitioning=self.paused and not self.reforming,
             epoch=self.epoch,
             address=f"sim:{self.worker_id}",
             timestamp_unix_s=now,
@@ -517,6 +564,9 @@ class SimWorker:
             offline_kv_blocks_used=s.offline_kv_blocks_used,
             offline_queued_demand_blocks=s.offline_queued_demand_blocks,
             oldest_online_waiting_age_s=age(s.oldest_online_waiting_arrival),
+            tp_degree=self.tp_degree,
+            tp_members=self.tp_members if self.tp_degree > 1 else (),
+            reforming=self.reforming,
         )
 
 

@@ -9,13 +9,15 @@ Two checks, one static and one at run time:
   renamed), or whose node sequence is 85 % similar or more (a copy with small edits);
 * **called live**: the policy entry points are wrapped wherever they are bound (the defining module, every module
   that imported them by name, their classes), simulations of every mechanism are run (drop, restore, migration,
-  swap, lookahead microbatches, the SLO budget, co-serving with layer-wise preemption), and each entry point must
+  swap, lookahead microbatches, the SLO budget, co-serving with layer-wise preemption, elastic tensor parallelism's
+  placement, scale-up, throttling and idle split), and each entry point must
   have been called by the simulation. A simulator that decided anything with its own copy would not call them.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import pathlib
 import sys
@@ -25,19 +27,22 @@ from typing import Any
 
 import pytest
 
-from kunserve.benchkit.trace import Burst, generate_trace
-from kunserve.services.memory_manager import orchestrator
+from kunserve.benchkit.trace import Burst, TraceRequest, generate_trace
+from kunserve.services.memory_manager import orchestrator, tp_placement, tp_reform
 from kunserve.services.monitor import servicer as monitor
 from kunserve.services.worker import build
 from kunserve.shared.memory import layer_memory
+from kunserve.shared.model import tp_capacity
 from kunserve.shared.policy import (
     admission,
     batch_scheduler,
     cluster_load,
     costmodel,
     dispatch_rules,
+    elastic_tp,
     head_schedule,
     layerwise_preemption,
+    long_requests,
     measured_latency,
     microbatch,
     migration,
@@ -49,6 +54,7 @@ from kunserve.shared.policy import (
     units,
 )
 from kunserve.sim.cluster import OfflineLoad, Simulation
+from kunserve.sim.shapes import Memory
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 SIM = ROOT / "kunserve" / "sim"
@@ -56,6 +62,8 @@ POLICY_SOURCES = [
     *sorted((ROOT / "shared" / "policy").glob("*.py")),
     ROOT / "services" / "monitor" / "servicer.py",
     ROOT / "services" / "memory_manager" / "orchestrator.py",
+    ROOT / "services" / "memory_manager" / "tp_placement.py",
+    ROOT / "services" / "memory_manager" / "tp_reform.py",
     ROOT / "services" / "worker" / "build.py",
 ]
 MIN_NODES = 40  # smaller functions (accessors, one-line sums) are alike by nature
@@ -198,6 +206,20 @@ ENTRY_POINTS: list[tuple[Any, str]] = [
     (build, "make_token_budget"),
     (build, "make_microbatch_former"),
     (layer_memory, "kv_capacity"),
+    (elastic_tp.ElasticTPScheduler, "route"),
+    (elastic_tp.IdleSplitPolicy, "observe"),
+    (elastic_tp.IdleSplitPolicy, "placed"),
+    (long_requests, "split_by_fit"),
+    (long_requests, "is_long"),
+    (long_requests, "throttled_units"),
+    (long_requests, "choose_unthrottled"),
+    (tp_placement, "placement_worker"),
+    (tp_placement, "placement_inputs"),
+    (tp_placement, "kv_tokens"),
+    (tp_reform, "check_transform"),
+    (tp_reform, "check_split"),
+    (tp_capacity, "kv_tokens_by_degree"),
+    (orchestrator.Orchestrator, "_exclusive"),
 ]
 
 
@@ -246,5 +268,11 @@ def test_every_mechanism_calls_the_live_policies(monkeypatch, make_setup, bursty
         offline=OfflineLoad(((900, 40), (300, 100)), 6),
     ).run()
     assert co.offline and co.counters["layerwise_preemptions"] > 0
+    # elastic TP: small pools (a whole instance holds 1280 KV tokens, TP2 5632), one long request amid short ones
+    setup = make_setup("kunserve", instances=3, dispatcher__elastic_tp=True, memory_manager__tp_idle_split_s=5.0, engine__page_kib=256)
+    setup = dataclasses.replace(setup, memory=Memory(setup.shape, 26 << 20, 256 * 1024), tp_reform_s=2.0)
+    trace = [TraceRequest(0.5 * i, 200, 30) for i in range(50)] + [TraceRequest(1.0, 1500, 100)]
+    el = Simulation(setup, trace).run()
+    assert {t["op"] for t in el.transitions} >= {"tp", "tp-split"}, el.transitions
     missing = [f"{o.__name__}.{a}" for o, a in ENTRY_POINTS if not calls[f"{o.__name__}.{a}"]]
     assert not missing, f"the simulation never called {missing}"
