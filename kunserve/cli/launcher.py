@@ -286,8 +286,11 @@ class LocalCluster:
                 raise ClusterStartError(f"{name} not healthy {timeout_s:.0f}s after a restart")
             time.sleep(0.2)
 
-    def stop(self, grace_s: float = 10.0) -> dict[str, int | None]:
-        """SIGTERM everything (dispatcher first so clients get a clear status), then SIGKILL stragglers."""
+    def stop(self, grace_s: float = 30.0) -> dict[str, int | None]:
+        """SIGTERM everything (dispatcher first so clients get a clear status), then SIGKILL stragglers. The grace
+        outlasts a service's own bounded stop (a worker: its deregistration, the engine thread's last step, transfer
+        links still opening and the gRPC server's grace, up to 5 s each), which is quick unless the machine is loaded
+        or a peer is stopping too; only a process stuck beyond that is killed."""
         if self.supervisor is not None:
             self.supervisor.stop()
             self.supervisor = None

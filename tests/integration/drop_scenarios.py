@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import random
 
+import grpc
 from helpers import admin_channel, check_against_reference
 
 from kunserve import client
@@ -35,6 +36,41 @@ async def generate_all(c: LocalCluster, prompts, max_tokens: int, progress: dict
             return await client.generate(ch, client.make_request(p, request_id=f"r{i}", max_tokens=max_tokens),
                                          timeout=240, on_event=seen)
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+async def generate_until(c: LocalCluster, prompts, budget: int, progress: dict, stop: asyncio.Event):
+    """`generate_all` with a token budget the requests do not reach while the test takes its steps, however slow the
+    machine: once `stop` is set, those still running are cancelled on the connection that sent them. The results in
+    order (a cancelled request's: the tokens it had, finish reason "aborted"); `check_prefixes` checks them."""
+    async with client.insecure_channel(c.cfg.dispatcher.address) as ch:
+        async def one(i, p):
+            def seen(ev):
+                progress[i] = progress.get(i, 0) + (ev.token_id >= 0)
+            return await client.generate(ch, client.make_request(p, request_id=f"r{i}", max_tokens=budget),
+                                         timeout=240, on_event=seen)
+
+        async def cancel_on_stop() -> None:
+            await stop.wait()
+            for i in range(len(prompts)):
+                try:
+                    await client.cancel(ch, f"r{i}")
+                except grpc.aio.AioRpcError as exc:  # it finished before the cancel: nothing to stop
+                    assert exc.code() == grpc.StatusCode.NOT_FOUND, exc
+
+        canceller = asyncio.create_task(cancel_on_stop())
+        try:
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        finally:
+            canceller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await canceller
+
+
+def check_prefixes(prompts, results, budget: int) -> None:
+    """Every token each request had when it was cancelled (or all `budget` of them) is the reference's."""
+    for p, r in zip(prompts, results):
+        assert r.finish_reason == "aborted" or len(r.token_ids) == budget, r
+        check_against_reference(p, r.token_ids, len(r.token_ids))
 
 
 async def wait_tokens(progress: dict, n: int, at_least: int, gen: asyncio.Task, timeout: float = 120,
