@@ -241,6 +241,9 @@ def cmd_simulate(args: argparse.Namespace, defaults: dict[str, Any]) -> int:
     if scenario is not None:
         apply_config(base, scenario.config, scenario.path)
     if args.validate:
+        if args.elastic_tp or args.tp_reform_s is not None or args.gpus_per_host is not None:
+            raise SimulateError("--validate replays the default bench trace on a local cluster of whole instances; "
+                                "--elastic-tp, --tp-reform-s and --gpus-per-host do not apply to it")
         return cmd_validate(args, base, scenario)
     spec = cluster_spec(args, scenario, base)
     if spec.elastic_tp is not None:

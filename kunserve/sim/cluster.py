@@ -419,6 +419,8 @@ class Simulation:
         if self.elastic is not None:
             self.elastic.released(req)
         req.handed_over += 1
+        if req.emitted:  # the dispatcher's route deadline restarts with every token: a resume waits the whole timeout
+            req.route_deadline = self.now + self.cfg.dispatcher.route_timeout_s
         self.at(self.now, self._route, req)
 
     def _queue_expired(self, req: SimRequest) -> None:

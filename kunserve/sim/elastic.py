@@ -109,6 +109,8 @@ class ElasticTP:
 
     def released(self, req: SimRequest) -> None:
         """Its stream ended (finished, failed, handed over)."""
+        if req.done:
+            self.asked_at.pop(req.request_id, None)
         wid = self.long_on.pop(req.request_id, None)
         if wid is not None:
             left = self.long_held.get(wid, 0) - 1
@@ -205,6 +207,9 @@ class ElasticTP:
                         sim.workers[wid].take_tp_role(members_t, blocks, sim.setup.time_for(len(members_t)))
                         sim.refresh_one(wid)
                 await control.access.refresh()
+        except OrchestrationError:  # a drop took the transition lock first: the re-form is refused (ABORTED)
+            self._unpark(self.waiting_on.pop(members[0], []))
+            return
         finally:
             self.placing = False
         self.counters["scale_ups" if op == "tp" else "splits"] += 1
@@ -221,8 +226,13 @@ class ElasticTP:
                     if not req.done:
                         self.counters["long_routed"] += 1
                         sim.send(req, rank0)
+        self._unpark([])
+
+    def _unpark(self, requests: Sequence[SimRequest]) -> None:
+        """`requests` and the long requests that waited for placement's lock route again now (they ask anew)."""
+        sim = self.sim
         waiters, self.lock_waiters = self.lock_waiters, []
-        for req in waiters:
+        for req in [*requests, *waiters]:
             self.parked_ids.discard(req.request_id)
             self.asked_at.pop(req.request_id, None)
             sim.at(sim.now, sim.route, req)
@@ -248,7 +258,10 @@ class ElasticTP:
         while True:
             await asyncio.sleep(SPLIT_CHECK_S)
             if not self.placing:
-                await self._split_idle()
+                try:
+                    await self._split_idle()
+                except OrchestrationError:  # TPPlacer.split_idle_forever: deferred to the next round
+                    continue
 
     async def _split_idle(self) -> None:
         sim = self.sim

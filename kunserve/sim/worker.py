@@ -251,7 +251,7 @@ class SimWorker:
         request.worker_id = self.worker_id
         self.scheduler.add(seq)
         if not request.offline:
-            self._online_arrived(request.prompt_tokens)
+            self._online_arrived(request.prompt_tokens + request.emitted)
         self.kick()
 
     def abort(self, request_id: str) -> bool:

@@ -118,3 +118,13 @@ def test_elastic_runs_are_deterministic(elastic_setup):
     b = Simulation(elastic_setup(True), steady_with_long()).run()
     assert [r.token_times_s for r in a.replay.results] == [r.token_times_s for r in b.replay.results]
     assert a.transitions == b.transitions and a.counters == b.counters
+
+
+def test_a_request_handed_over_long_after_it_arrived_waits_the_whole_route_timeout(elastic_setup):
+    """The dispatcher's route deadline restarts with every token: requests decoding for longer than route_timeout_s
+    when both workers re-form wait for the merged instance instead of failing at once."""
+    trace = [TraceRequest(0.0, 100, 1000) for _ in range(2)] + [TraceRequest(4.0, *LONG)]
+    sim = Simulation(elastic_setup(True, instances=2, dispatcher__route_timeout_s=3.0), trace, check_invariants=True)
+    out = sim.run()
+    assert all(r.ok for r in out.replay.results), [r.error for r in out.replay.results if not r.ok]
+    assert any(r.handed_over and r.resumed_at > 0 for r in sim.requests)
