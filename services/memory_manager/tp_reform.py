@@ -32,7 +32,7 @@ import grpc
 
 from kunserve.shared.log import get_logger
 from kunserve.shared.model.architecture import ModelConfig
-from kunserve.shared.model.tp_shard import degree_error
+from kunserve.shared.model.tp_degree import degree_error
 from kunserve.shared.policy.elastic_tp import DEGREES
 from kunserve.shared.policy.membership import Fingerprint
 from kunserve.v1 import common_pb2, memory_manager_pb2, worker_pb2, worker_pb2_grpc

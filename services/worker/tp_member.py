@@ -35,7 +35,8 @@ from kunserve.shared.engine.loop import EngineLoop, EngineStopped
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader, check_same_blocks
 from kunserve.shared.log import get_logger
-from kunserve.shared.model.tp_shard import degree_error, sharded_source
+from kunserve.shared.model.tp_degree import degree_error
+from kunserve.shared.model.tp_shard import sharded_source
 from kunserve.shared.model.weights import ModelSource
 
 EXIT_BROKEN = 3  # the worker's exit status after its tensor-parallel instance broke

@@ -9,14 +9,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kunserve.shared.model.rope import RopeParameters
 
+if TYPE_CHECKING:
+    import torch
+
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the dtypes a config may name, by their torch attribute names: torch is imported only where tensors are made, so the
+# services that read a config and never compute (dispatcher, memory manager) start without it
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,10 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
 
     @property
     def rope_theta(self) -> float:

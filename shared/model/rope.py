@@ -23,9 +23,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the tables are torch; RopeParameters is config, read by services that never compute
+    import torch
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _KNOWN_KEYS = {
@@ -141,6 +142,8 @@ class RopeParameters:
 
 
 def _base_inv_freq(base: float | torch.Tensor, dim: int) -> torch.Tensor:
+    import torch
+
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
 
 
@@ -148,6 +151,8 @@ def inv_freq(rope: RopeParameters, head_dim: int, max_position_embeddings: int,
              seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [head_dim / 2] float32, attention scaling) as transformers' rope init
     functions return them; `seq_len` matters only for `dynamic` (None = max_position_embeddings)."""
+    import torch
+
     dim, base = head_dim, rope.rope_theta
     t = rope.rope_type
     if t == "default":
@@ -217,6 +222,8 @@ def cos_sin(rope: RopeParameters, head_dim: int, max_position_embeddings: int,
             positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [len(positions), head_dim] float32 for these positions, the attention scaling folded in
     (transformers multiplies both by it). Position-only: see the module docstring for `dynamic`."""
+    import torch
+
     pos = positions.to(torch.int64)
     if rope.rope_type != "dynamic":
         inv, scale = inv_freq(rope, head_dim, max_position_embeddings)
@@ -234,6 +241,8 @@ def cos_sin(rope: RopeParameters, head_dim: int, max_position_embeddings: int,
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin (transformers' apply_rotary_pos_emb for one tensor)."""
+    import torch
+
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rot * sin

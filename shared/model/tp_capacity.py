@@ -13,7 +13,7 @@ from __future__ import annotations
 from kunserve.shared.memory.layer_memory import KVCacheSpec, arena_pages, kv_capacity
 from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.pool_placement import fused_layer_specs, uses_panels, weight_groups
-from kunserve.shared.model.tp_shard import TP_DEGREES, degree_error, shard_config
+from kunserve.shared.model.tp_degree import TP_DEGREES, degree_error, shard_config
 
 
 def instance_kv_tokens(cfg: ModelConfig, degree: int, *, num_pages: int, page_size: int, block_size: int, device_type: str) -> int:

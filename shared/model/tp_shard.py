@@ -12,9 +12,10 @@ Embeddings, norms and lm_head are replicated. The partial sums of o_proj and dow
 (all-reduce) before the residual add. o_proj's bias (Llama's attention_bias) is added once: rank 0 keeps it and the
 others hold zeros, so the sum carries it exactly once.
 
-A shard is an ordinary model to everything downstream: `shard_config` is the config of one rank's shard (local heads,
-local intermediate size), so the memory pool lays out only the shard's weights and a KV cache of the local KV heads
-(KV bytes per token divided by d), and the model runner computes it unchanged apart from the sum.
+A shard is an ordinary model to everything downstream: `shard_config` (shared/model/tp_degree.py) is the config of
+one rank's shard (local heads, local intermediate size), so the memory pool lays out only the shard's weights and a
+KV cache of the local KV heads (KV bytes per token divided by d), and the model runner computes it unchanged apart
+from the sum.
 """
 
 from __future__ import annotations
@@ -23,42 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kunserve.shared.model.architecture import ModelConfig
+from kunserve.shared.model.tp_degree import shard_config
 from kunserve.shared.model.weights import ModelSource, Weights
-from kunserve.shared.policy.elastic_tp import DEGREES as TP_DEGREES
 
 # per-layer HF tensors and how each splits: "rows" of its heads / intermediate slice, "cols" likewise (its input)
 _ROW_SPLIT_HEADS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _ROW_SPLIT_INTER = ("mlp.gate_proj", "mlp.up_proj")
-
-
-def degree_error(cfg: ModelConfig, degree: int) -> str | None:
-    """Why `cfg` cannot run at tensor-parallel `degree` (None: it can)."""
-    if degree not in TP_DEGREES:
-        return f"tensor-parallel degree must be one of {', '.join(map(str, TP_DEGREES))}, got {degree}"
-    for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads), ("intermediate size", cfg.intermediate_size)):
-        if n % degree:
-            return f"tensor-parallel degree {degree} does not divide the model's {n} {what} (every rank holds an equal share)"
-    return None
-
-
-def check_degree(cfg: ModelConfig, degree: int) -> None:
-    why = degree_error(cfg, degree)
-    if why is not None:
-        raise ValueError(why)
-
-
-def shard_config(cfg: ModelConfig, degree: int) -> ModelConfig:
-    """The config of one rank's shard (the same for every rank): local heads, local intermediate size."""
-    check_degree(cfg, degree)
-    if degree == 1:
-        return cfg
-    return cfg.replace(
-        num_heads=cfg.num_heads // degree,
-        num_kv_heads=cfg.num_kv_heads // degree,
-        intermediate_size=cfg.intermediate_size // degree,
-        head_dim=cfg.head_dim,
-    )
 
 
 def _rows(t: torch.Tensor, rank: int, degree: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from kunserve.shared.memory import create_pool
 from kunserve.shared.model.architecture import TINY_CONFIG
 from kunserve.shared.model.pool_placement import build_model_layout
 from kunserve.shared.model.tp_capacity import instance_kv_tokens, kv_tokens_by_degree
-from kunserve.shared.model.tp_shard import shard_config
+from kunserve.shared.model.tp_degree import shard_config
 
 PAGE = 64 * 1024
 BLOCK = 16

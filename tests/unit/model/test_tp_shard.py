@@ -17,7 +17,8 @@ from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.memory import create_pool
 from kunserve.shared.model.architecture import TINY_CONFIG, ModelConfig
 from kunserve.shared.model.pool_placement import build_model_layout
-from kunserve.shared.model.tp_shard import check_degree, degree_error, shard_config, shard_weights, sharded_source
+from kunserve.shared.model.tp_degree import check_degree, degree_error, shard_config
+from kunserve.shared.model.tp_shard import shard_weights, sharded_source
 from kunserve.shared.model.weights import ModelSource, random_weights
 
 BS = 4
