@@ -29,19 +29,14 @@ async def memory_manager(c: LocalCluster):
 
 async def generate_all(c: LocalCluster, prompts, max_tokens: int, progress: dict):
     """Greedy generations of every prompt at once; progress[i] counts request i's tokens as they arrive."""
-    async with client.insecure_channel(c.cfg.dispatcher.address) as ch:
-        async def one(i, p):
-            def seen(ev):
-                progress[i] = progress.get(i, 0) + (ev.token_id >= 0)
-            return await client.generate(ch, client.make_request(p, request_id=f"r{i}", max_tokens=max_tokens),
-                                         timeout=240, on_event=seen)
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    return await generate_until(c, prompts, max_tokens, progress, asyncio.Event())
 
 
 async def generate_until(c: LocalCluster, prompts, budget: int, progress: dict, stop: asyncio.Event):
-    """`generate_all` with a token budget the requests do not reach while the test takes its steps, however slow the
-    machine: once `stop` is set, those still running are cancelled on the connection that sent them. The results in
-    order (a cancelled request's: the tokens it had, finish reason "aborted"); `check_prefixes` checks them."""
+    """Greedy generations of every prompt at once (progress[i] counts request i's tokens), with a token budget the
+    requests do not reach while the test takes its steps, however slow the machine: once `stop` is set, those still
+    running are cancelled on the connection that sent them. The results in order (a cancelled request's: the tokens it
+    had, finish reason "aborted"); `check_prefixes` checks them."""
     async with client.insecure_channel(c.cfg.dispatcher.address) as ch:
         async def one(i, p):
             def seen(ev):
