@@ -12,6 +12,6 @@ import pytest
 @pytest.mark.parametrize("service", ["dispatcher", "memory_manager", "monitor"])
 def test_a_service_that_never_computes_does_not_import_torch(service):
     probe = f"import sys, kunserve.services.{service}.__main__; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True, timeout=60)  # -P: not the cwd's tree
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", f"kunserve.services.{service} imports torch"
