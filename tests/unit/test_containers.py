@@ -6,7 +6,6 @@ The real run (build, compose up, a generation checked against the reference engi
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import re
@@ -16,6 +15,7 @@ import sys
 import tomllib
 
 import pytest
+from scripts_loader import load_script
 
 from kunserve.shared.config import load_config
 
@@ -460,10 +460,7 @@ def test_dockerignore_keeps_the_context_small():
 
 # -- the health check script --------------------------------------------------------------------------------
 def _load_healthcheck():
-    spec = importlib.util.spec_from_file_location("kunserve_docker_healthcheck", ROOT / "docker" / "healthcheck.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("docker/healthcheck.py", "kunserve_docker_healthcheck")
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
@@ -513,17 +510,13 @@ def test_compose_test_is_its_own_make_target_and_not_part_of_make_test():
 
 
 def test_compose_test_harness_runs_the_default_services():
-    spec = importlib.util.spec_from_file_location("kunserve_compose_test", ROOT / "scripts" / "compose_test.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # importing runs nothing
+    mod = load_script("scripts/compose_test.py", "kunserve_compose_test")  # importing runs nothing
     assert set(mod.SERVICES) == set(DEFAULT_SERVICES)
     assert mod.base_images() == ["python:3.11-slim"]
 
 
 def test_compose_test_takes_the_debian_mirror_from_apt(tmp_path):
-    spec = importlib.util.spec_from_file_location("kunserve_compose_test", ROOT / "scripts" / "compose_test.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("scripts/compose_test.py", "kunserve_compose_test")
     (tmp_path / "sources.list.d").mkdir()
     (tmp_path / "sources.list.d" / "debian.sources").write_text(
         "Types: deb\n# a comment\nURIs: http://mirror.example/debian-security\nSuites: bookworm-security\n\n"

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
+from scripts_loader import load_script
 
 
 def _bench():
-    path = pathlib.Path(__file__).resolve().parents[3] / "bench" / "tp.py"
-    spec = importlib.util.spec_from_file_location("bench_tp_args", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/tp.py", "bench_tp_args")
 
 
 @pytest.mark.parametrize(

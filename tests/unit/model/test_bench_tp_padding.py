@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
+from scripts_loader import load_script
 
 from kunserve.sim.shapes import load_model_config
 
@@ -11,12 +10,7 @@ MIB = 1 << 20
 
 
 def _bench():
-    path = pathlib.Path(__file__).resolve().parents[3] / "bench" / "tp.py"
-    spec = importlib.util.spec_from_file_location("bench_tp", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/tp.py", "bench_tp")
 
 
 def test_qwen14b_gaps_and_released_pages_at_2mib():
