@@ -65,7 +65,7 @@ class ElasticTP:
         self.hosts = {wid: f"host-{i // setup.gpus_per_host}" for i, wid in enumerate(sim.workers)}
         self.idle_split = IdleSplitPolicy(cfg.memory_manager.tp_idle_split_s)
         self.tp_members: dict[str, tuple[str, ...]] = {}  # the dispatcher's view: worker -> its instance, rank order
-        self.long_held: dict[str, int] = {}  # unit -> long requests routed there (the dispatcher's count)
+        self.long_held = long_requests.LongHeld()  # the dispatcher's count of long requests per unit
         self.long_on: dict[str, str] = {}  # request -> the unit its long count is on
         self.asked_at: dict[str, float] = {}  # request -> when it last asked placement
         self.placing = False  # TPPlacer's lock: a re-form or a split is under way
@@ -97,14 +97,14 @@ class ElasticTP:
             return None
         throttled: frozenset[str] = frozenset()
         if not long_requests.is_long(router, self.tp_members, whole_life):
-            throttled = frozenset(w for w in long_requests.throttled_units(self.tp_members, self.long_held) if router.routable(w))
+            throttled = self.long_held.throttled(router, self.tp_members)
         tokens = req.prompt_tokens + req.emitted + 1
         return long_requests.choose_unthrottled(router, offline=req.offline, tokens=tokens, throttled=throttled, exclude=set(small))
 
     def routed(self, req: SimRequest, worker_id: str) -> None:
         """The dispatcher counts a long request on the unit it streams from."""
         if long_requests.is_long(self.sim.router, self.tp_members, req.prompt_tokens + req.output_tokens):
-            self.long_held[worker_id] = self.long_held.get(worker_id, 0) + 1
+            self.long_held.add(worker_id)
             self.long_on[req.request_id] = worker_id
 
     def released(self, req: SimRequest) -> None:
@@ -113,11 +113,7 @@ class ElasticTP:
             self.asked_at.pop(req.request_id, None)
         wid = self.long_on.pop(req.request_id, None)
         if wid is not None:
-            left = self.long_held.get(wid, 0) - 1
-            if left > 0:
-                self.long_held[wid] = left
-            else:
-                self.long_held.pop(wid, None)
+            self.long_held.release(wid)
 
     # -- placement (TPPlacer._place) ---------------------------------------------------------------------------------
     def _infos(self) -> dict[str, Any]:

@@ -462,7 +462,7 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
         self._refusing = False  # admission is refusing requests (logged when it starts and stops)
         # dispatcher.elastic_tp: unit -> long requests (see long_requests.is_long) it holds now, counted per worker
         # stream; and the merged units short requests avoid (logged when it changes)
-        self._long_held: dict[str, int] = {}
+        self._long_held = long_requests.LongHeld()
         self._throttled: frozenset[str] = frozenset()
         pool.on_stall.append(self._worker_stalled)
 
@@ -757,14 +757,14 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
             long = self.pool.elastic_tp and long_requests.is_long(
                 self.pool.router, self.pool.tp_members, len(record.prompt_token_ids) + record.max_tokens)
             if long:
-                self._long_held[wid] = self._long_held.get(wid, 0) + 1
+                self._long_held.add(wid)
             try:
                 async for ev in self._relay(record, seg, wreq):
                     yield ev
             finally:
                 self.pool.router.done(wid, rid)
                 if long:
-                    self._long_released(wid)
+                    self._long_held.release(wid)
             if seg.finished:
                 return
             if record.cancelled or record.shutting_down or record.expired or seg.local_cancel:
@@ -924,20 +924,12 @@ class DispatcherServicer(generation_pb2_grpc.GenerationServicer):
     def _throttled_units(self) -> frozenset[str]:
         """dispatcher.elastic_tp: the merged units holding no long request, which short requests avoid while another
         unit has room (Gyges Algorithm 2's reduced rate: they drain, go idle and are split back)."""
-        throttled = frozenset(w for w in long_requests.throttled_units(self.pool.tp_members, self._long_held)
-                              if self.pool.router.routable(w))  # a departed head's stale members are no unit
+        throttled = self._long_held.throttled(self.pool.router, self.pool.tp_members)
         if throttled != self._throttled:
             self.log.info("tp_throttled", units=sorted(throttled),
-                          long_held={w: n for w, n in sorted(self._long_held.items())})
+                          long_held=dict(sorted(self._long_held.counts.items())))
             self._throttled = throttled
         return throttled
-
-    def _long_released(self, wid: str) -> None:
-        left = self._long_held.get(wid, 0) - 1
-        if left > 0:
-            self._long_held[wid] = left
-        else:
-            self._long_held.pop(wid, None)
 
     async def _place_long(self, record: RequestRecord, whole_life: int) -> tuple[str | None, str]:
         """dispatcher.elastic_tp: ask the memory manager where a request too long for every routable unit goes (it

@@ -22,6 +22,7 @@ others are full", and "long" means "needs more than TP1" (not "needs the unit's 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from kunserve.shared.policy import dispatch_rules
 from kunserve.shared.policy.router import FreenessRouter, RoutingLoad
@@ -70,6 +71,28 @@ def throttled_units(tp_members: TPMembers, long_held: Mapping[str, int]) -> froz
     return frozenset(wid for wid, members in tp_members.items() if len(members) > 1 and members[0] == wid and long_held.get(wid, 0) <= 0)
 
 
+@dataclass
+class LongHeld:
+    """The long requests each unit holds now (the dispatcher counts one per worker stream of a long request, released
+    however the stream ends), and from them the merged units short requests avoid."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, unit: str) -> None:
+        self.counts[unit] = self.counts.get(unit, 0) + 1
+
+    def release(self, unit: str) -> None:
+        left = self.counts.get(unit, 0) - 1
+        if left > 0:
+            self.counts[unit] = left
+        else:
+            self.counts.pop(unit, None)
+
+    def throttled(self, router: FreenessRouter, tp_members: TPMembers) -> frozenset[str]:
+        """`throttled_units` among the routable units (a departed head's stale members are no unit)."""
+        return frozenset(w for w in throttled_units(tp_members, self.counts) if router.routable(w))
+
+
 def has_room(router: FreenessRouter, wid: str, tokens: int) -> bool:
     """The unit would start a request of `tokens` (its prompt, the tokens it has, the next one) now: nothing waits
     there (a worker also queues at its batch limits with KV free) and its freeness holds the request."""
@@ -96,6 +119,7 @@ def choose_unthrottled(
 
 
 __all__ = [
+    "LongHeld",
     "TPMembers",
     "choose_unthrottled",
     "has_room",

@@ -77,12 +77,12 @@ def test_a_merged_instance_holding_a_long_request_takes_short_ones_until_it_ends
             await fc.pool.refresh()
             long = asyncio.create_task(fc.generate(PROMPT, LONG, rid="long"))
             await until(lambda: "long" in fc.workers["worker-0"].active, "the long request runs on worker-0")
-            assert fc.servicer._long_held == {"worker-0": 1}
+            assert fc.servicer._long_held.counts == {"worker-0": 1}
             res, _ = await fc.generate(PROMPT, 6, rid="short-during")
             assert res.worker_id == "worker-0"
             res, events = await long
             assert_one_stream(res, events, LONG)
-            assert fc.servicer._long_held == {}
+            assert fc.servicer._long_held.counts == {}
             res, _ = await fc.generate(PROMPT, 6, rid="short-after")
             assert res.worker_id == "worker-2"
 
@@ -108,7 +108,7 @@ def test_every_end_of_a_long_requests_stream_releases_its_hold(ending):
             else:
                 task = asyncio.create_task(fc.generate(PROMPT, LONG, rid="long"))
                 await until(lambda: "long" in w0.active, "the long request runs on worker-0")
-                assert fc.servicer._long_held == {"worker-0": 1}
+                assert fc.servicer._long_held.counts == {"worker-0": 1}
                 if ending == "cancel":
                     await client.cancel(fc.channel, "long")
                     await task
@@ -117,6 +117,6 @@ def test_every_end_of_a_long_requests_stream_releases_its_hold(ending):
                     with pytest.raises(asyncio.CancelledError):
                         await task
                 await until(lambda: "long" not in fc.servicer.records, "the dispatcher let the request go")
-            assert fc.servicer._long_held == {}
+            assert fc.servicer._long_held.counts == {}
 
     run(scenario())

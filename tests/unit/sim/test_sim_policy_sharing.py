@@ -212,6 +212,7 @@ ENTRY_POINTS: list[tuple[Any, str]] = [
     (long_requests, "split_by_fit"),
     (long_requests, "is_long"),
     (long_requests, "throttled_units"),
+    (long_requests.LongHeld, "throttled"),
     (long_requests, "choose_unthrottled"),
     (tp_placement, "placement_worker"),
     (tp_placement, "placement_inputs"),
