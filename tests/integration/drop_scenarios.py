@@ -97,15 +97,20 @@ async def drop_pair(c: LocalCluster, head: str = "worker-0", stage: str = "worke
             memory_manager_pb2.GroupMembers(worker_ids=[head, stage])], reason="manual"), timeout=120)
 
 
-async def drop_then_kill(c: LocalCluster, prompts, max_tokens: int, victim: str):
-    """Stream every prompt, drop worker-0 + worker-1 into a pair mid-decode, kill `victim` while the pair
-    decodes: the results of every request."""
+async def drop_then_kill(c: LocalCluster, prompts, budget: int, victim: str):
+    """Stream every prompt with a budget it does not reach (`generate_until`), drop worker-0 + worker-1 into a pair
+    mid-decode, kill `victim` while the pair decodes, and cancel the requests once each has decoded past the kill:
+    the results of every request (`check_prefixes` checks them)."""
     progress: dict = {}
-    gen = await start_decoding(c, prompts, max_tokens, progress)
+    stop = asyncio.Event()
+    gen = asyncio.create_task(generate_until(c, prompts, budget, progress, stop))
+    await wait_tokens(progress, len(prompts), 2, gen)
     drop = await drop_pair(c)
     assert drop.completed, drop.error
     await wait_tokens(progress, 2, 2, gen, since=dict(progress))
     c.kill(victim)
+    await wait_tokens(progress, len(prompts), 2, gen, since=dict(progress))  # every request lives on after it
+    stop.set()
     return await gen
 
 

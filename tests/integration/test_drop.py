@@ -11,7 +11,7 @@ import contextlib
 
 import grpc
 import pytest
-from drop_scenarios import check_all, drop_pair, drop_then_kill, generate_all, memory_manager, prompts_for, wait_tokens
+from drop_scenarios import check_all, check_prefixes, drop_pair, drop_then_kill, generate_all, memory_manager, prompts_for, wait_tokens
 from helpers import internal_channel, make_config, run
 
 from kunserve.cli.launcher import LocalCluster, free_port
@@ -148,12 +148,12 @@ def test_killing_a_group_member_mid_decode_loses_no_request(tmp_path, victim):
     Head killed: the dispatcher resumes its requests on the survivor, which healed to a whole instance."""
     c = _fault_cluster(tmp_path)
     prompts = prompts_for(8, seed=3)
-    max_tokens = 160  # still decoding when the drop's RPC returns (up to 0.6 s seen on a busy machine)
+    budget = 1500  # never reached: the requests are cancelled once they decode past the kill
     try:
-        results = run(drop_then_kill(c, prompts, max_tokens, victim), timeout=280)
+        results = run(drop_then_kill(c, prompts, budget, victim), timeout=280)
     finally:
         c.stop()
-    check_all(prompts, results, max_tokens)
+    check_prefixes(prompts, results, budget)
 
 
 def test_worker_dying_during_the_kv_exchange_rolls_back_and_loses_no_request(tmp_path):

@@ -13,7 +13,7 @@ import json
 import pathlib
 
 import pytest
-from drop_scenarios import check_all, check_prefixes, drop_pair, drop_then_kill, generate_until, prompts_for, wait_tokens
+from drop_scenarios import check_prefixes, drop_pair, drop_then_kill, generate_until, prompts_for, wait_tokens
 from helpers import admin_channel, internal_channel, make_config, run
 
 from kunserve.cli.launcher import LocalCluster
@@ -88,11 +88,11 @@ def test_a_peer_killed_before_the_restore_leaves_the_survivor_to_the_checkpoint(
     c = _cluster(tmp_path)
     logs = {w: c.child(w).log_path for w in (W0, W1)}
     prompts = prompts_for(6, seed=12)
-    max_tokens = 160
+    budget = 1500  # never reached: the requests are cancelled once they decode past the kill
     try:
-        results = run(drop_then_kill(c, prompts, max_tokens, W1), timeout=280)
+        results = run(drop_then_kill(c, prompts, budget, W1), timeout=280)
     finally:
         c.stop()
-    check_all(prompts, results, max_tokens)
+    check_prefixes(prompts, results, budget)
     events = _restored(logs, W0)
     assert [ev["source"] for ev in events] == ["checkpoint"] and events[0]["layers"] == [2, 3], events
