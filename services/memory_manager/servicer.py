@@ -44,6 +44,7 @@ from .tp_placement import TPPlacer
 from .tp_reform import TPReformer
 
 LINK_RETRY_S = 10.0  # how long a worker whose transfer links failed is left alone before it is asked again
+CHANNEL_CLOSE_GRACE_S = 5.0  # how long the calls on a departed worker's channel may still run before it closes
 
 
 def missing_links(infos: dict[str, worker_pb2.WorkerInfo]) -> dict[str, dict[str, str]]:
@@ -171,7 +172,9 @@ class MemoryManager:
         return stub
 
     def _close_later(self, ch: grpc.aio.Channel) -> None:
-        task = asyncio.ensure_future(ch.close())
+        """Close the channel of a worker that left or moved once the calls on it end (a bounded grace): a refresh
+        still asking it must get its answer or its timeout, not a cancellation."""
+        task = asyncio.ensure_future(ch.close(grace=CHANNEL_CLOSE_GRACE_S))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
@@ -252,6 +255,11 @@ class MemoryManager:
                 return  # it left: an overlapping refresh expired it, or it deregistered
             try:
                 info = await stub.GetInfo(common_pb2.Empty(), timeout=timeout)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # the refresh itself is cancelled
+                return  # its channel was closed past the grace under the call: the worker left meanwhile
             except grpc.aio.AioRpcError:
                 self.layout.mark_unreachable(worker_id)
                 self._infos.pop(worker_id, None)
@@ -338,8 +346,13 @@ class MemoryManager:
         await asyncio.gather(*(one(w, p) for w, p in missing.items()))
 
     async def refresh_forever(self, interval_s: float = 1.0) -> None:
+        """Refresh until cancelled; a refresh that fails is logged and the next one runs (the layout, the expiry of
+        members and the dispatcher's view all depend on this loop going on)."""
         while True:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception as exc:  # noqa: BLE001 - one failed refresh must not end the loop
+                self.log.exception("layout_refresh_failed", error=f"{type(exc).__name__}: {exc}")
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:
