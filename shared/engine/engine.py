@@ -896,6 +896,26 @@ class Engine:
         self.kv_limit = None
         self._budget_for(None)
 
+    def change_shard(self, cfg: ModelConfig, weights: Weights, seqs: Iterable[SeqSnapshot] = ()) -> None:
+        """Compute as another tensor-parallel shard of the model from now on (an in-place TP change:
+        tp_transform.py): `cfg` is the shard's config (its query and KV heads, its intermediate slice; the whole
+        model's at TP1) and `weights` its tensors; the KV storage must already hold `cfg.num_kv_heads` heads per block
+        (split_kv_heads / merge_kv_heads), and these requests, with tables in that block space, are the engine's
+        (the others are forgotten; their KV stays where it is). The engine computes alone until a TP role attaches
+        to it again (TPLeader.attach, TPFollower). Call with nothing in flight and no pipeline role."""
+        if self.link is not None or self.kv_limit is not None:
+            raise ValueError("a pipeline group's head cannot change its tensor-parallel shard")
+        if self.kv.kv_heads_per_block != cfg.num_kv_heads:
+            raise ValueError(f"KV storage blocks hold {self.kv.kv_heads_per_block} KV heads, the shard needs "
+                             f"{cfg.num_kv_heads}: split or merge the storage's heads first")
+        self._settle_checkpoints()
+        self.runner.release()
+        self.cfg = cfg
+        self.runner = ModelRunner(cfg, weights, (self.runner.start, self.runner.end), self.device,
+                                  pack_weights=self.pack_weights)
+        self.step_plan = None
+        self._take_role(None, None, seqs)
+
     def _budget_for(self, link: PipelineLink | None) -> None:
         """The budget of a role: the configured one, under a fresh measured latency when it has a latency model
         (ConServe's SLO budget): a whole instance's iterations, or as a group head its microbatches' round trips,

@@ -33,15 +33,30 @@ class KVStorage(Protocol):
 
     def layer_cache(self, layer: int) -> torch.Tensor: ...
 
+    def split_kv_heads(self, degree: int) -> object:
+        """Read every block at `kv_heads_per_block / degree` heads, in place (an in-place TP scale-up)."""
+        ...
+
+    def merge_kv_heads(self, degree: int) -> object:
+        """The inverse of split_kv_heads (an in-place TP scale-down)."""
+        ...
+
 
 class TorchKVStorage:
     """KV tensors allocated by torch (no remapping), header-centric like the pool's."""
 
-    def __init__(self, layers: Iterable[int], num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        layers: Iterable[int],
+        num_blocks: int,
+        num_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
         self._num_blocks = num_blocks
-        self._caches = {layer: kv_layout.allocate(num_blocks, num_kv_heads, block_size, head_dim, dtype, device)
-                        for layer in layers}
+        self._caches = {layer: kv_layout.allocate(num_blocks, num_kv_heads, block_size, head_dim, dtype, device) for layer in layers}
 
     @property
     def num_blocks(self) -> int:
@@ -65,6 +80,19 @@ class TorchKVStorage:
             raise ValueError(f"degree {degree}: a head split needs a degree >= 2 that divides the {heads} KV heads per block")
         for layer, cache in self._caches.items():
             phys = kv_layout.physical_view(cache)
-            self._caches[layer] = kv_layout.logical_view(phys.view(phys.shape[0] * degree, heads // degree,
-                                                                   *phys.shape[2:]))
+            self._caches[layer] = kv_layout.logical_view(phys.view(phys.shape[0] * degree, heads // degree, *phys.shape[2:]))
         self._num_blocks *= degree
+
+    def merge_kv_heads(self, degree: int) -> None:
+        """The inverse of `split_kv_heads`: read every layer's blocks at `degree` times the heads, in place; sub-blocks
+        `b * degree + r` (heads of rank r) become block b again, at the same bytes."""
+        first = next(iter(self._caches.values()), None)
+        if first is None:
+            return
+        heads, sub_blocks = first.shape[2], first.shape[0]
+        if degree < 2 or sub_blocks % degree:
+            raise ValueError(f"degree {degree}: a head merge needs a degree >= 2 that divides the {sub_blocks} sub-blocks")
+        for layer, cache in self._caches.items():
+            phys = kv_layout.physical_view(cache)
+            self._caches[layer] = kv_layout.logical_view(phys.view(phys.shape[0] // degree, heads * degree, *phys.shape[2:]))
+        self._num_blocks //= degree

@@ -144,6 +144,43 @@ class TPGroup:
             raise self._fail("all-gather", exc) from None
         return [int(t) for t in out]
 
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """`payload` of every member, in rank order (sizes gathered first, then one padded all-gather)."""
+        sizes = self.all_gather_int(len(payload))
+        gloo = self._check()
+        width = max(sizes)
+        if width == 0:
+            return [b""] * self.degree
+        mine = torch.zeros(width, dtype=torch.uint8)
+        if payload:
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        out = [torch.empty(width, dtype=torch.uint8) for _ in range(self.degree)]
+        try:
+            gloo.allgather([out], [mine]).wait()
+        except RuntimeError as exc:
+            raise self._fail("all-gather", exc) from None
+        return [bytes(t[:n].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
+
+    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], tag: int = 0) -> None:
+        """Point to point: send `sends[r]` to rank r and receive `recvs[r]` (filled in place, of the size rank r
+        sends) from rank r, all posted at once and then awaited (no pair can wait for another: every member posts
+        every one of its sends and receives before waiting). Tensors on the CPU, contiguous."""
+        gloo = self._check()
+        works = []
+        try:
+            for r, t in sorted(sends.items()):
+                works.append(gloo.send([t], r, tag))
+            for r, t in sorted(recvs.items()):
+                works.append(gloo.recv([t], r, tag))
+            for w in works:
+                w.wait()
+        except RuntimeError as exc:
+            raise self._fail("exchange", exc) from None
+
+    def barrier(self) -> None:
+        """Every member has reached this point."""
+        self.all_gather_int(0)
+
     def close(self) -> None:
         """Drop the process groups and the store (rank 0's store stops listening once nothing holds it)."""
         self._gloo = self._nccl = None

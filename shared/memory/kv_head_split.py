@@ -1,4 +1,5 @@
-"""In-place head split of paged KV when `degree` TP1 members merge into one TP`degree` instance (Gyges §4.1.2).
+"""In-place head split of paged KV when `degree` TP1 members merge into one TP`degree` instance (Gyges §4.1.2),
+and the head gather that undoes it.
 
 Pure plan over plain data (no torch): which merged block id each member's block becomes, and the phased exchange
 of sub-blocks that puts every head where the merged instance expects it.
@@ -21,6 +22,18 @@ Both halves of a swap are in one phase, so no slot is overwritten before it was 
 whole exchange is one phase's staging. A slot whose block is unused on the other side is only read: its bytes become
 free in place, and the merged instance allocates them (no page is mapped, unmapped or trimmed).
 
+**The inverse, a head gather** (scale-down, TP`degree` -> `degree` TP1 instances, keeping running requests' KV):
+`assign_requests` gives every request to one member (its merged blocks must fit the member's `num_blocks` whole
+blocks), so every used merged block x has an owner m that keeps it, as whole block y. `plan_head_gather` picks y:
+when x = y*degree + m for a free y (x is "m's" slot of its whole-block group), m's own heads of x already lie in
+sub-block y*degree + m, which is where heads m of whole block y belong: nothing moves. Every other (x, rank r)
+is a move from rank r's sub-block x to owner m's sub-block y*degree + r. Unlike the split's swaps these moves form
+chains and cycles (a destination slot may hold another move's source: heads of a different merged block), so a
+layer is executed by reading EVERY source of that layer into staging before writing any destination; then the
+members read their ranges at `num_kv_heads` heads per block again (`merge_kv_heads`). The extra memory is one
+layer's staging per member, `staging_subblocks` sub-blocks (all it receives in that layer, its own in-process
+moves included), i.e. about the member's share of the used KV of one layer; layers run one after another.
+
 `kv_major_split_cost` is the baseline: with a K/V-major block (`[K/V, heads, tokens, dim]`, this project's layout
 before the header-centric one) a rank's heads are two separate ranges per block (its K heads, its V heads), so the
 received heads cannot land in the slots the sent ones leave: the receiver reserves fresh memory for all of them and
@@ -29,7 +42,7 @@ each member then trims (copies) its kept heads into compact blocks (Gyges §4.1.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -154,6 +167,112 @@ def plan_head_split(used_blocks: Sequence[Collection[int]], num_blocks: int, num
     return HeadSplitPlan(degree, num_blocks, num_kv_heads, maps, tuple(phases), staging, sum(len(ids) for ids in used))
 
 
+@dataclass(frozen=True)
+class HeadGatherPlan:
+    """The scale-down of one TP`degree` instance into `degree` TP1 members of `num_blocks` whole blocks each.
+
+    `block_maps[m]` maps the merged block ids member m keeps to its whole block ids; `moves` address sub-blocks
+    (`num_kv_heads / degree` heads per block) on both sides, before and after; `staging_subblocks` is the most
+    sub-blocks one member receives in a layer (its staging per layer, own moves included); `in_place` counts the
+    used sub-blocks that stay where they are. Execute a layer's moves by reading every source before writing any
+    destination (see the module docstring)."""
+
+    degree: int
+    num_blocks: int
+    num_kv_heads: int
+    block_maps: tuple[dict[int, int], ...]
+    moves: tuple[SubBlockMove, ...]
+    staging_subblocks: int
+    in_place: int
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_kv_heads // self.degree
+
+
+def assign_requests(blocks: Mapping[str, int], degree: int, num_blocks: int, prefer: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Give each request (id -> merged blocks it holds) to one of `degree` members of `num_blocks` whole blocks.
+
+    Greedy, largest requests first (ties by id): to `prefer[request]` when that member has room, else to the member
+    with the most free blocks (ties: lowest rank). ValueError when the blocks cannot fit."""
+    if degree < 1:
+        raise ValueError(f"degree must be >= 1, got {degree}")
+    if num_blocks < 0:
+        raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+    bad = sorted(rid for rid, n in blocks.items() if n < 0)
+    if bad:
+        raise ValueError(f"requests with a negative block count: {bad[:8]}")
+    prefer = prefer or {}
+    bad = sorted(rid for rid, m in prefer.items() if not 0 <= m < degree)
+    if bad:
+        raise ValueError(f"preferred members outside [0, {degree}) for requests {bad[:8]}")
+    need, capacity = sum(blocks.values()), degree * num_blocks
+    if need > capacity:
+        raise ValueError(f"the requests hold {need} blocks but {degree} members of {num_blocks} blocks hold {capacity}")
+    free = [num_blocks] * degree
+    out: dict[str, int] = {}
+    for rid, n in sorted(blocks.items(), key=lambda kv: (-kv[1], kv[0])):
+        m = prefer.get(rid)
+        if m is None or free[m] < n:
+            m = max(range(degree), key=lambda i: (free[i], -i))
+        if free[m] < n:
+            raise ValueError(
+                f"request {rid!r} holds {n} blocks but no member has room (free blocks per member: "
+                f"{free}); the requests hold {need} of {capacity} blocks but do not pack"
+            )
+        free[m] -= n
+        out[rid] = m
+    return out
+
+
+def plan_head_gather(owners: Mapping[int, int], num_blocks: int, num_kv_heads: int, degree: int,
+                     sub_blocks: int | None = None) -> HeadGatherPlan:
+    """Plan the gather of every used merged block x (`owners[x]`: the member that keeps it) into whole blocks of
+    its owner, `num_blocks` per member (see the module docstring). `sub_blocks`: how many merged ids the split
+    storage has (default `num_blocks * degree`; a pool layout's split can hold a few more in its tail, which the
+    whole blocks do not cover: those always move)."""
+    _check_degree(degree, num_kv_heads)
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+    merged = num_blocks * degree if sub_blocks is None else sub_blocks
+    if merged < num_blocks * degree:
+        raise ValueError(f"{merged} sub-blocks cannot hold {num_blocks} whole blocks of TP{degree}")
+    bad = sorted(x for x in owners if not 0 <= x < merged)
+    if bad:
+        raise ValueError(f"merged block ids outside [0, {merged}): {bad[:8]}")
+    bad = sorted(x for x, m in owners.items() if not 0 <= m < degree)
+    if bad:
+        raise ValueError(f"merged blocks {bad[:8]} are given to members outside [0, {degree})")
+    kept: list[list[int]] = [[] for _ in range(degree)]
+    for x in sorted(owners):
+        kept[owners[x]].append(x)
+    for m, xs in enumerate(kept):
+        if len(xs) > num_blocks:
+            raise ValueError(f"member {m} is given {len(xs)} blocks but holds {num_blocks}")
+    maps: list[dict[int, int]] = []
+    for m, xs in enumerate(kept):
+        # x = y*degree + m for distinct x gives distinct y: every such block keeps its whole-block id.
+        target = {x: x // degree for x in xs if x % degree == m and x // degree < num_blocks}
+        taken = set(target.values())
+        free = (y for y in range(num_blocks) if y not in taken)
+        for x in xs:
+            if x not in target:
+                target[x] = next(free)
+        maps.append(dict(sorted(target.items())))
+    moves: list[SubBlockMove] = []
+    in_place = 0
+    for m, mp in enumerate(maps):
+        for x, y in mp.items():
+            for r in range(degree):
+                dst = sub_block(y, r, degree)
+                if r == m and x == dst:
+                    in_place += 1
+                else:
+                    moves.append(SubBlockMove(r, x, m, dst))
+    staging = max((sum(1 for mv in moves if mv.dst == m) for m in range(degree)), default=0)
+    return HeadGatherPlan(degree, num_blocks, num_kv_heads, tuple(maps), tuple(moves), staging, in_place)
+
+
 def header_centric_split_cost(plan: HeadSplitPlan, block_bytes: int) -> SplitCost:
     """Per layer, the in-place split: one phase's staging, nothing copied inside a member."""
     sub = block_bytes // plan.degree
@@ -186,12 +305,15 @@ def _check_degree(degree: int, num_kv_heads: int) -> None:
 
 
 __all__ = [
+    "HeadGatherPlan",
     "HeadSplitPlan",
     "SplitCost",
     "SubBlockMove",
+    "assign_requests",
     "header_centric_split_cost",
     "kv_major_split_cost",
     "merged_block_id",
+    "plan_head_gather",
     "plan_head_split",
     "rank_heads",
     "sub_block",

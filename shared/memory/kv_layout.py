@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .kv_head_split import HeadSplitPlan
+from .kv_head_split import HeadSplitPlan, SubBlockMove
 
 KV_STRIDE_ORDER = (0, 2, 1, 3, 4)
 """Axes of the physical tensor `[blocks, heads, K/V, tokens, dim]` in the logical order `[blocks, K/V, heads, tokens,
@@ -56,6 +56,39 @@ def allocate(
     return logical_view(torch.zeros(num_blocks, *physical_block_shape(num_kv_heads, block_size, head_dim), dtype=dtype, device=device))
 
 
+def apply_sub_block_moves(moves: Sequence[SubBlockMove], caches: Sequence[torch.Tensor]) -> int:
+    """Run `moves` over one layer of every member, in one process: `caches[m]` is member m's split cache view
+    (`[num_sub_blocks, 2, H/degree, block_size, head_dim]`). Every source is copied into staging before any
+    destination is written, so a slot that is both a source and a destination (a swap, a chain, a cycle) gives
+    its old bytes. Returns the most staging bytes one member received (what a transport between processes would
+    buffer at the receiver)."""
+    phys = [physical_view(c) for c in caches]
+    seen: set[tuple[int, int]] = set()
+    pairs: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    for mv in moves:
+        for member, slot in ((mv.src, mv.src_slot), (mv.dst, mv.dst_slot)):
+            if not 0 <= member < len(phys):
+                raise ValueError(f"{mv} names member {member}, but there are {len(phys)} caches")
+            if not 0 <= slot < phys[member].shape[0]:
+                raise ValueError(f"{mv}: member {member}'s cache has {phys[member].shape[0]} sub-blocks")
+        if (mv.dst, mv.dst_slot) in seen:
+            raise ValueError(f"two moves write sub-block {mv.dst_slot} of member {mv.dst}")
+        seen.add((mv.dst, mv.dst_slot))
+        src, dst = pairs.setdefault((mv.src, mv.dst), ([], []))
+        src.append(mv.src_slot)
+        dst.append(mv.dst_slot)
+    received = [0] * len(phys)
+    with torch.no_grad():
+        staged = []
+        for (s, d), (src, dst) in pairs.items():
+            ids = torch.tensor(src, dtype=torch.long, device=phys[s].device)
+            staged.append((d, dst, phys[s].index_select(0, ids).to(phys[d].device)))
+            received[d] += staged[-1][2].numel() * staged[-1][2].element_size()
+        for d, dst, t in staged:
+            phys[d].index_copy_(0, torch.tensor(dst, dtype=torch.long, device=phys[d].device), t)
+    return max(received, default=0)
+
+
 def exchange_sub_blocks(plan: HeadSplitPlan, caches: Sequence[torch.Tensor]) -> int:
     """Run `plan`'s phased exchange over one layer of every member, in one process: `caches[m]` is member m's
     cache view after the head split (`LayerMemoryLayout.split_kv_heads`: `[num_blocks * degree, 2, H/degree, ...]`).
@@ -71,26 +104,15 @@ def exchange_sub_blocks(plan: HeadSplitPlan, caches: Sequence[torch.Tensor]) -> 
                 f"member {m}'s cache is {tuple(p.shape[:2])} sub-blocks x heads; the plan needs at least "
                 f"{plan.merged_num_blocks} sub-blocks of {plan.heads_per_rank} heads (split it first)"
             )
-    sub_bytes = phys[0][0].numel() * phys[0].element_size()
-    peak = 0
-    with torch.no_grad():
-        for phase in plan.phases:
-            pairs: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
-            for mv in phase:
-                src, dst = pairs.setdefault((mv.src, mv.dst), ([], []))
-                src.append(mv.src_slot)
-                dst.append(mv.dst_slot)
-            staged = []
-            for (s, d), (src, dst) in pairs.items():
-                ids = torch.tensor(src, dtype=torch.long, device=phys[s].device)
-                staged.append((d, dst, phys[s].index_select(0, ids).to(phys[d].device)))
-            received = [0] * plan.degree
-            for d, _, t in staged:
-                received[d] += t.shape[0]
-            peak = max(peak, max(received) * sub_bytes)
-            for d, dst, t in staged:
-                phys[d].index_copy_(0, torch.tensor(dst, dtype=torch.long, device=phys[d].device), t)
-    return peak
+    return max((apply_sub_block_moves(phase, caches) for phase in plan.phases), default=0)
 
 
-__all__ = ["KV_STRIDE_ORDER", "allocate", "exchange_sub_blocks", "logical_view", "physical_block_shape", "physical_view"]
+__all__ = [
+    "KV_STRIDE_ORDER",
+    "allocate",
+    "apply_sub_block_moves",
+    "exchange_sub_blocks",
+    "logical_view",
+    "physical_block_shape",
+    "physical_view",
+]

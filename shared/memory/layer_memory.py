@@ -796,6 +796,20 @@ class LayerMemoryLayout:
                                pages_before, self._kv_pages_mapped(), max(0, pool_mapped_after - pool_mapped_before),
                                max(0, pool_mapped_before - pool_mapped_after), self.generation, staging, baseline)
 
+    def merge_kv_heads(self, degree: int) -> int:
+        """The inverse of `split_kv_heads` (a TP`degree` -> TP1 scale-down): read every held layer's KV range at
+        `num_kv_heads * degree` heads per block, in place; sub-blocks `b * degree + r` become whole block b again.
+        Gathering the heads of the kept blocks first is the caller's (`kv_head_split.plan_head_gather`,
+        `kv_layout.apply_sub_block_moves`). `num_blocks` follows the block size: sub-blocks at the tail that do not
+        fill a whole block are no longer addressable. Returns the new `num_blocks`; re-fetch `layer_cache`
+        afterwards (`generation` changes)."""
+        if degree < 2:
+            raise ValueError(f"degree {degree}: a head merge needs a degree >= 2")
+        self.kv_spec = dataclasses.replace(self.kv_spec, num_kv_heads=self.kv_spec.num_kv_heads * degree)
+        self._kv_cache.clear()
+        self.generation += 1
+        return self.num_blocks
+
     def _kv_pages_mapped(self) -> int:
         """Pages mapped under one held layer's KV range, read from the range itself (every layer has as many)."""
         return max((vr.mapped_count() for vr in self._kv.values()), default=0)

@@ -43,3 +43,18 @@ def snapshot_from_pb(m: worker_pb2.SeqState, now: float) -> SeqSnapshot:
                         offline=m.request_class == common_pb2.REQUEST_CLASS_OFFLINE)
     return SeqSnapshot(req, list(m.generated_token_ids), m.num_computed, list(m.new_blocks),
                        bytes(m.generator_state), m.num_preemptions)
+
+
+def snapshots_to_bytes(snaps: Iterable[SeqSnapshot], now: float) -> bytes:
+    """Requests with their block tables as one message (an in-place TP change hands them between the members of
+    an instance over its process group)."""
+    out = worker_pb2.TransitionPrepared()
+    for s in snaps:
+        m = snapshot_to_pb(s, "", now)
+        m.new_blocks.extend(s.blocks)
+        out.seqs.append(m)
+    return out.SerializeToString()
+
+
+def snapshots_from_bytes(data: bytes, now: float) -> list[SeqSnapshot]:
+    return [snapshot_from_pb(m, now) for m in worker_pb2.TransitionPrepared.FromString(data).seqs]

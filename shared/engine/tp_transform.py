@@ -1,0 +1,188 @@
+"""In-place tensor-parallel transformation of running instances (Gyges §4.1, §4.3): `degree` whole (TP1) engines
+become one TP`degree` instance and back, and the requests they run keep their KV: nothing is re-prefilled.
+
+Every member calls the same function at once, each on its own thread or process, over the TPGroup of the instance
+being formed (or split), between two iterations of its engine (nothing in flight, nothing else using the group).
+
+**Scale-up** (`scale_up`):
+
+1. each member snapshots its requests and the members exchange them (one all-gather): every member learns every
+   member's used blocks, and rank 0 gets the requests it will own;
+2. every member computes the same `plan_head_split` and reads its KV at H/degree heads per block
+   (`split_kv_heads`: the header-centric block makes a rank's heads one byte range, so no byte moves);
+3. the exchange's phases run layer by layer over the group (`run_moves`): per layer and phase each member reads
+   the sub-blocks it sends into one buffer per peer, sends them and receives the peers', then writes what it
+   received; the staging is one phase of one layer;
+4. every member computes as its shard from now on (`Engine.change_shard`); rank 0 takes every member's requests,
+   their block tables mapped into the merged block space (member m's block b is merged block `b*degree + m`), the
+   others hold none and follow rank 0's steps (tensor_parallel.py).
+
+**Scale-down** (`scale_down`, the inverse):
+
+1. rank 0 snapshots the instance's requests and hands them to every member (one all-gather);
+2. every member computes the same assignment of requests to members (`assign_requests`: each to the member with the
+   most free whole blocks; refused, with nothing changed, when they do not fit) and the same `plan_head_gather`
+   (each used merged block gets a whole block on its request's member; a block that member's own heads already
+   occupy in place is kept there);
+3. the moves run layer by layer (`run_moves`): every source of a layer is read before any destination is written,
+   since a destination may be another move's source; the staging is one layer's moved sub-blocks;
+4. every member reads its KV at all heads again (`merge_kv_heads`) and becomes a whole instance holding its
+   requests, block tables mapped to its whole blocks.
+
+Weights are the caller's: the shard each member keeps for a scale-up (`tp_shard.shard_weights`), the whole model's
+for a scale-down. **What differs from Gyges.** The transformation runs between two iterations of the instance
+(every request changes parallelism at once, between two of its tokens), not overlapped layer by layer with the
+computation in reversed layer order; so the order of the layers does not matter here and is the natural one. The
+KV moves over the instance's process group (gloo: point-to-point sends), not the transfer service.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kunserve.shared.engine.api import SeqSnapshot
+from kunserve.shared.engine.engine import Engine
+from kunserve.shared.engine.tensor_parallel import TPGroup
+from kunserve.shared.memory import kv_head_split, kv_layout
+from kunserve.shared.memory.kv_head_split import SubBlockMove
+from kunserve.shared.model.architecture import ModelConfig
+from kunserve.shared.model.weights import Weights
+from kunserve.shared.wire.transitions import snapshots_from_bytes, snapshots_to_bytes
+
+DEFAULT_PHASE_SUBBLOCKS = 256  # sub-blocks one member receives per phase of a scale-up's exchange (its staging)
+
+
+@dataclass(frozen=True)
+class TransformReport:
+    """What one member's part of a TP change did (for logs and reports)."""
+
+    op: str  # "scale-up" | "scale-down"
+    rank: int
+    degree: int
+    requests: int  # requests this member holds afterwards
+    moved_requests: int  # of the instance's requests, those whose owner changed
+    sent_subblocks: int  # per layer
+    received_subblocks: int  # per layer
+    staging_bytes: int  # the most this member held staged at once
+    blocks_before: int
+    blocks_after: int
+    seconds: float
+
+
+def run_moves(group: TPGroup, engine: Engine, phases: Sequence[Sequence[SubBlockMove]]) -> tuple[int, int, int]:
+    """Run sub-block moves on every layer this engine holds, layer by layer and phase by phase: per phase, read every
+    source this member has (for its peers and for itself), exchange with the peers, then write every destination.
+    Slots count sub-blocks of the storage as it is read now. Returns (sent, received, peak staging bytes) per layer."""
+    me = group.rank
+    sent = received = peak = 0
+    for layer in range(engine.runner.start, engine.runner.end):
+        phys = kv_layout.physical_view(engine.kv.layer_cache(layer))
+        sub_bytes = phys[0].numel() * phys.element_size()
+        for tag, phase in enumerate(phases):
+            out_slots: dict[int, list[int]] = {}
+            in_slots: dict[int, list[int]] = {}
+            for mv in phase:
+                if mv.src == me:
+                    out_slots.setdefault(mv.dst, []).append(mv.src_slot)
+                if mv.dst == me:
+                    in_slots.setdefault(mv.src, []).append(mv.dst_slot)
+            if not out_slots and not in_slots:
+                continue
+            staged = {p: phys.index_select(0, _ids(s, phys.device)).cpu().contiguous() for p, s in out_slots.items()}
+            local = staged.pop(me, None)
+            recvs = {p: torch.empty((len(s), *phys.shape[1:]), dtype=phys.dtype) for p, s in in_slots.items() if p != me}
+            group.exchange(staged, recvs, tag=tag)
+            for p, t in recvs.items():
+                phys.index_copy_(0, _ids(in_slots[p], phys.device), t.to(phys.device))
+            if local is not None:
+                phys.index_copy_(0, _ids(in_slots[me], phys.device), local.to(phys.device))
+            n_out = sum(len(s) for p, s in out_slots.items() if p != me)
+            n_in = sum(len(s) for s in in_slots.values())
+            if layer == engine.runner.start:
+                sent += n_out
+                received += n_in - len(in_slots.get(me, ()))
+            peak = max(peak, (n_out + n_in) * sub_bytes)
+    return sent, received, peak
+
+
+def _ids(slots: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(slots, dtype=torch.long, device=device)
+
+
+def _check_quiet(engine: Engine) -> None:
+    if engine.kv_landing:
+        raise ValueError("a transition's KV is still landing on this engine: change its parallelism once it has")
+    if engine.link is not None or engine.kv_limit is not None:
+        raise ValueError("a pipeline group's member cannot change its tensor parallelism")
+
+
+def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weights, *,
+             max_phase_subblocks: int = DEFAULT_PHASE_SUBBLOCKS) -> TransformReport:
+    """This member's part of merging `group.degree` whole engines into one TP instance (module docstring). Every
+    member's engine must be whole, idle between iterations, with the same block count; `shard_cfg` / `shard` are
+    this rank's shard of the model."""
+    t0 = time.monotonic()
+    _check_quiet(engine)
+    degree, me = group.degree, group.rank
+    whole_heads = engine.kv.kv_heads_per_block
+    if shard_cfg.num_kv_heads * degree != whole_heads:
+        raise ValueError(f"the shard holds {shard_cfg.num_kv_heads} KV heads; TP{degree} of blocks of {whole_heads} "
+                         f"heads needs {whole_heads // degree}")
+    blocks_before = engine.kv.num_blocks
+    counts = group.all_gather_int(blocks_before)
+    if len(set(counts)) != 1:
+        raise ValueError(f"members have different KV block counts {counts} (by rank): a head split needs equal ones")
+    mine = engine.snapshot()
+    now = time.monotonic()  # EngineRequest.arrival_time's clock, the same in every process of a host
+    everyone = [snapshots_from_bytes(b, now) for b in group.all_gather_bytes(snapshots_to_bytes(mine, now))]
+    used = [{b for s in snaps for b in s.blocks} for snaps in everyone]
+    plan = kv_head_split.plan_head_split(used, blocks_before, whole_heads, max_phase_subblocks)
+    engine.kv.split_kv_heads(degree)
+    sent, received, peak = run_moves(group, engine, plan.phases)
+    owned: list[SeqSnapshot] = []
+    if me == 0:
+        for m, snaps in enumerate(everyone):
+            source = mine if m == 0 else snaps  # rank 0's own requests keep their generator objects' exact state
+            for s in source:
+                owned.append(SeqSnapshot(s.request, list(s.generated), s.num_computed,
+                                         [plan.block_maps[m][b] for b in s.blocks], s.generator_state,
+                                         s.num_preemptions))
+        owned.sort(key=lambda s: s.request.arrival_time)
+    engine.change_shard(shard_cfg, shard, owned)
+    moved = sum(len(snaps) for m, snaps in enumerate(everyone) if m != 0)
+    return TransformReport("scale-up", me, degree, len(owned), moved, sent, received, peak, blocks_before,
+                           engine.kv.num_blocks, time.monotonic() - t0)
+
+
+def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: Weights) -> TransformReport:
+    """This member's part of splitting its TP instance into `group.degree` whole engines (module docstring).
+    ValueError, with nothing changed on any member, when the instance's requests cannot fit the whole instances."""
+    t0 = time.monotonic()
+    _check_quiet(engine)
+    degree, me = group.degree, group.rank
+    blocks_before = engine.kv.num_blocks
+    whole_blocks = blocks_before // degree  # a tail too short for a whole block is dropped by the merge
+    now = time.monotonic()  # EngineRequest.arrival_time's clock, the same in every process of a host
+    payload = snapshots_to_bytes(engine.snapshot(), now) if me == 0 else b""
+    snaps = snapshots_from_bytes(group.all_gather_bytes(payload)[0], now)
+    try:
+        assignment = kv_head_split.assign_requests({s.request.request_id: len(s.blocks) for s in snaps}, degree,
+                                                   whole_blocks)
+    except ValueError as exc:
+        raise ValueError(f"the TP{degree} instance's requests do not fit {degree} whole instances of {whole_blocks} "
+                         f"blocks: {exc}") from None
+    owners = {b: assignment[s.request.request_id] for s in snaps for b in s.blocks}
+    plan = kv_head_split.plan_head_gather(owners, whole_blocks, whole_cfg.num_kv_heads, degree, blocks_before)
+    sent, received, peak = run_moves(group, engine, [plan.moves])
+    engine.kv.merge_kv_heads(degree)
+    owned = [SeqSnapshot(s.request, list(s.generated), s.num_computed, [plan.block_maps[me][b] for b in s.blocks],
+                         s.generator_state, s.num_preemptions)
+             for s in snaps if assignment[s.request.request_id] == me]
+    engine.change_shard(whole_cfg, whole, owned)
+    moved = sum(1 for s in snaps if assignment[s.request.request_id] != 0)
+    return TransformReport("scale-down", me, degree, len(owned), moved, sent, received, peak, blocks_before,
+                           engine.kv.num_blocks, time.monotonic() - t0)

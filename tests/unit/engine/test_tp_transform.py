@@ -1,0 +1,252 @@
+"""In-place tensor-parallel transformation of running engines (shared/engine/tp_transform.py): whole engines decoding
+requests merge into one TP instance mid-decode, keep decoding, and split back mid-decode; every request keeps its KV
+throughout (nothing re-prefills), and every request's greedy tokens equal the dense reference's. Each member runs
+on its own thread over a real gloo group (as it would in its own worker process)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterable
+
+import pytest
+import torch
+from engine_testing import TP4_CONFIG
+from oracle import compare_greedy
+
+from kunserve.shared.engine.api import EngineRequest, InvalidRequest, SamplingParams, TokenEvent
+from kunserve.shared.engine.engine import Engine, SchedulerConfig
+from kunserve.shared.engine.pooled import PooledInstance
+from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader
+from kunserve.shared.engine.tp_transform import TransformReport, scale_down, scale_up
+from kunserve.shared.model.architecture import ModelConfig
+from kunserve.shared.model.reference import reference_greedy
+from kunserve.shared.model.tp_degree import shard_config
+from kunserve.shared.model.tp_shard import shard_weights
+from kunserve.shared.model.weights import Weights, load_model_source, random_weights
+
+pytestmark = pytest.mark.timeout(240)
+BLOCK = 8
+BLOCKS = 24  # per whole engine: 192 tokens
+SCHED = SchedulerConfig(max_num_batched_tokens=64)
+MAX_TOKENS = 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model(name: str) -> tuple[ModelConfig, Weights]:
+    if name == "tiny":
+        src = load_model_source(None)
+        return src.config, src.load_weights()
+    return TP4_CONFIG, random_weights(TP4_CONFIG, seed=3)
+
+
+def prompts(member: int) -> list[list[int]]:
+    """Two requests per member, of different lengths, so blocks are used unevenly."""
+    base = 20 + 37 * member
+    return [list(range(base, base + 9 + 5 * member)), list(range(base + 3, base + 30 + 3 * member))]
+
+
+class Tokens:
+    """Every request's tokens as the engines emit them, wherever it runs."""
+
+    def __init__(self) -> None:
+        self.by_request: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+
+    def add(self, events: list[TokenEvent]) -> None:
+        for e in events:
+            assert e.token_id >= 0, f"{e.request_id} failed: {e}"
+            got = self.by_request.setdefault(e.request_id, [])
+            assert e.index == len(got), f"{e.request_id}: token {e.index} after {len(got)} (a token re-emitted or lost)"
+            got.append(e.token_id)
+            if e.finish_reason.name != "NONE":
+                self.finished.add(e.request_id)
+
+    def at_least(self, n: int, ids: Iterable[str]) -> Callable[[], bool]:
+        """Every request of `ids` not finished yet has `n` tokens."""
+        ids = list(ids)
+        return lambda: all(len(self.by_request.get(rid, [])) >= n for rid in ids if rid not in self.finished)
+
+
+def step_until(engine: Engine, tokens: Tokens, done: Callable[[], bool], limit: int = 400) -> None:
+    for _ in range(limit):
+        if done() or not engine.has_work():
+            return
+        tokens.add(engine.step())
+    raise AssertionError("the engine did not get there in time")
+
+
+def on_threads(degree: int, fn: Callable[[int], object]) -> list[object]:
+    """fn(rank) on one thread per rank; re-raises the first failure."""
+    out: list[object] = [None] * degree
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(degree)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a member hangs"
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.mark.parametrize("name,degree", [("tiny", 2), ("kv4", 4)], ids=["tiny-tp2", "kv4-tp4"])
+def test_requests_live_through_a_scale_up_and_a_scale_down_mid_decode(name, degree):
+    torch.set_num_threads(1)
+    cfg, weights = model(name)
+    shard_cfg = shard_config(cfg, degree)
+    engines = [Engine(cfg, weights, num_kv_blocks=BLOCKS, block_size=BLOCK, scheduler_config=SCHED) for _ in range(degree)]
+    requests: dict[str, list[int]] = {}
+    for m, e in enumerate(engines):
+        for i, p in enumerate(prompts(m)):
+            rid = f"m{m}-r{i}"
+            requests[rid] = p
+            e.add_request(EngineRequest(rid, p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
+    tokens = Tokens()
+    for e in engines:  # every request prefilled and a few tokens into its decode
+        step_until(e, tokens, tokens.at_least(3, e.seqs))
+    assert all(len(tokens.by_request.get(rid, [])) >= 3 for rid in requests)
+
+    # A request no whole engine holds: refused at TP1, served after the scale-up.
+    long_prompt = list(range(7, 7 + BLOCKS * BLOCK + 20))
+    long_req = EngineRequest("long", long_prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    with pytest.raises(InvalidRequest):
+        engines[0].validate(long_req)
+
+    port = free_port()
+    groups = on_threads(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=60, rendezvous_timeout_s=60))
+    reports = on_threads(degree, lambda r: scale_up(engines[r], groups[r], shard_cfg, shard_weights(weights, r, degree),
+                                                    max_phase_subblocks=3))
+    up: list[TransformReport] = reports  # type: ignore[assignment]
+    assert up[0].requests == 2 * degree and all(r.requests == 0 for r in up[1:])
+    assert up[0].moved_requests == 2 * (degree - 1)
+    assert all(r.blocks_after == BLOCKS * degree for r in up)  # the same pages hold degree x the blocks
+    assert all(r.sent_subblocks > 0 and r.received_subblocks > 0 for r in up)
+    leader = TPLeader(groups[0])
+    leader.attach(engines[0])
+    followers = [TPFollower(groups[r], engines[r]) for r in range(1, degree)]
+    for f in followers:
+        f.start()
+    e0 = engines[0]
+    assert not e0.kv_landing and len(e0.seqs) == 2 * degree
+    step_until(e0, tokens, tokens.at_least(7, requests))  # every request decodes on the TP instance with the KV it had
+    e0.validate(long_req)
+    e0.add_request(long_req)
+    step_until(e0, tokens, lambda: "long" in tokens.finished)
+
+    assert not tokens.finished & set(requests)  # the others still decode: the split comes mid-decode
+    leader.stop()
+    assert all(f.join(30) and f.stopped for f in followers)
+    down: list[TransformReport] = on_threads(degree, lambda r: scale_down(engines[r], groups[r], cfg, weights))  # type: ignore[assignment]
+    assert sum(r.requests for r in down) == 2 * degree
+    assert all(r.blocks_after == BLOCKS for r in down)
+    for g in groups:
+        g.close()  # type: ignore[attr-defined]
+    for e in engines:
+        assert e.runner.reduce is None and e.step_plan is None  # whole again: nothing to sum or broadcast
+        step_until(e, tokens, lambda: False)
+    assert tokens.finished == set(requests) | {"long"}
+    for rid, prompt in [*requests.items(), ("long", long_prompt)]:
+        n = 4 if rid == "long" else MAX_TOKENS
+        ref, margins = reference_greedy(cfg, weights, prompt, n)
+        compare_greedy(tokens.by_request[rid], ref, margins)
+
+
+def test_a_split_the_whole_instances_cannot_hold_is_refused_and_changes_nothing():
+    torch.set_num_threads(1)
+    cfg, weights = model("tiny")
+    degree = 2
+    engines = [Engine(cfg, weights, num_kv_blocks=BLOCKS, block_size=BLOCK, scheduler_config=SCHED) for _ in range(degree)]
+    port = free_port()
+    groups = on_threads(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=60, rendezvous_timeout_s=60))
+    on_threads(degree, lambda r: scale_up(engines[r], groups[r], shard_config(cfg, degree), shard_weights(weights, r, degree)))
+    e0 = engines[0]
+    long_prompt = list(range(7, 7 + BLOCKS * BLOCK + 20))
+    e0.add_request(EngineRequest("long", long_prompt, SamplingParams(max_tokens=30, ignore_eos=True)))
+    leader = TPLeader(groups[0])
+    leader.attach(e0)
+    follower = TPFollower(groups[1], engines[1])
+    follower.start()
+    tokens = Tokens()
+    step_until(e0, tokens, tokens.at_least(2, ["long"]))
+    leader.stop()
+    assert follower.join(30)
+    with pytest.raises(ValueError, match="do not fit 2 whole instances"):
+        on_threads(degree, lambda r: scale_down(engines[r], groups[r], cfg, weights))
+    # nothing changed: the instance resumes at TP2 and finishes the request with the reference's tokens
+    assert e0.kv.kv_heads_per_block == cfg.num_kv_heads // degree and list(e0.seqs) == ["long"]
+    follower = TPFollower(groups[1], engines[1])
+    follower.start()
+    step_until(e0, tokens, lambda: "long" in tokens.finished)
+    leader.stop()
+    assert follower.join(30)
+    for g in groups:
+        g.close()  # type: ignore[attr-defined]
+    ref, margins = reference_greedy(cfg, weights, long_prompt, 30)
+    compare_greedy(tokens.by_request["long"], ref, margins)
+
+
+def test_pooled_instances_change_parallelism_in_place_with_no_page_mapped_or_released():
+    """Two workers' pooled instances (the memory pool's layout holds the KV): the head split and its exchange, and
+    the gather back, map and unmap no page; the KV tokens the same pages hold grow by the degree while merged."""
+    torch.set_num_threads(1)
+    src = load_model_source(None)
+    cfg, weights = src.config, src.load_weights()
+    degree = 2
+    insts = [PooledInstance(src, layer_range=(0, cfg.num_layers), pool_bytes=24 << 20, page_size=256 << 10, block_size=BLOCK,
+                            backend="host", scheduler_config=SCHED) for _ in range(degree)]
+    try:
+        engines = [i.engine for i in insts]
+        tokens = Tokens()
+        requests = {}
+        for m, e in enumerate(engines):
+            for i, p in enumerate(prompts(m)):
+                rid = f"m{m}-r{i}"
+                requests[rid] = p
+                e.add_request(EngineRequest(rid, p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
+            step_until(e, tokens, tokens.at_least(3, e.seqs))
+        mapped = [i.pool.mapped_count for i in insts]
+        blocks = [e.kv.num_blocks for e in engines]
+        port = free_port()
+        groups = on_threads(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=60, rendezvous_timeout_s=60))
+        shard_cfg = shard_config(cfg, degree)
+        up: list[TransformReport] = on_threads(  # type: ignore[assignment]
+            degree, lambda r: scale_up(engines[r], groups[r], shard_cfg, shard_weights(weights, r, degree), max_phase_subblocks=4)
+        )
+        assert [i.pool.mapped_count for i in insts] == mapped
+        assert all(e.kv.num_blocks >= degree * b for e, b in zip(engines, blocks, strict=True))
+        block_bytes = insts[0].layout.kv_spec.block_bytes  # a sub-block's, after the split
+        assert all(r.staging_bytes <= 2 * 4 * block_bytes for r in up)  # one phase: at most 4 received + 4 sent
+        leader = TPLeader(groups[0])
+        leader.attach(engines[0])
+        follower = TPFollower(groups[1], engines[1])
+        follower.start()
+        step_until(engines[0], tokens, tokens.at_least(8, requests))
+        leader.stop()
+        assert follower.join(30)
+        on_threads(degree, lambda r: scale_down(engines[r], groups[r], cfg, insts[r].layout.weights()))
+        for g in groups:
+            g.close()  # type: ignore[attr-defined]
+        assert [i.pool.mapped_count for i in insts] == mapped and [e.kv.num_blocks for e in engines] == blocks
+        for e in engines:
+            step_until(e, tokens, lambda: False)
+        assert tokens.finished == set(requests)
+        for rid, prompt in requests.items():
+            ref, margins = reference_greedy(cfg, weights, prompt, MAX_TOKENS)
+            compare_greedy(tokens.by_request[rid], ref, margins)
+    finally:
+        for i in insts:
+            i.close()
