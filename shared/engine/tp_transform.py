@@ -29,6 +29,14 @@ being formed (or split), between two iterations of its engine (nothing in flight
 4. every member reads its KV at all heads again (`merge_kv_heads`) and becomes a whole instance holding its
    requests, block tables mapped to its whole blocks.
 
+**Failures.** A check that fails (different block counts, requests that do not fit the whole instances) raises
+ValueError on every member before anything changed. A member that dies or hangs mid-move (the group's collective
+fails or times out) leaves the KV untrusted: every member that sees it heals (`InstanceBroken` says so), reading its
+blocks at all heads again and becoming a whole instance whose requests re-prefill (a recompute preemption: the same
+greedy tokens) — after a failed scale-up each member keeps its own requests, after a failed scale-down each keeps the
+share the assignment gave it; a member that died takes its own with it (in a cluster their streams end and the
+dispatcher resumes them elsewhere).
+
 Weights are the caller's: the shard each member keeps for a scale-up (`tp_shard.shard_weights`), the whole model's
 for a scale-down. **What differs from Gyges.** The transformation runs between two iterations of the instance
 (every request changes parallelism at once, between two of its tokens), not overlapped layer by layer with the
@@ -45,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from kunserve.shared.engine.api import SeqSnapshot
-from kunserve.shared.engine.engine import Engine
+from kunserve.shared.engine.engine import Engine, InstanceBroken
 from kunserve.shared.engine.tensor_parallel import TPGroup
 from kunserve.shared.memory import kv_head_split, kv_layout
 from kunserve.shared.memory.kv_head_split import SubBlockMove
@@ -113,6 +121,16 @@ def _ids(slots: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(slots, dtype=torch.long, device=device)
 
 
+def _recomputed(s: SeqSnapshot) -> SeqSnapshot:
+    """The request without its KV: it re-prefills its prompt and generated tokens (greedy tokens stay the same)."""
+    return SeqSnapshot(s.request, list(s.generated), 0, [], s.generator_state, s.num_preemptions + 1)
+
+
+def _healed(op: str, rank: int, degree: int, requests: int, exc: Exception) -> InstanceBroken:
+    return InstanceBroken(f"in-place TP{degree} {op} failed on rank {rank} ({exc}); healed: this member is a whole "
+                          f"instance again and its {requests} request(s) re-prefill")
+
+
 def _check_quiet(engine: Engine) -> None:
     if engine.kv_landing:
         raise ValueError("a transition's KV is still landing on this engine: change its parallelism once it has")
@@ -142,7 +160,12 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
     used = [{b for s in snaps for b in s.blocks} for snaps in everyone]
     plan = kv_head_split.plan_head_split(used, blocks_before, whole_heads, max_phase_subblocks)
     engine.kv.split_kv_heads(degree)
-    sent, received, peak = run_moves(group, engine, plan.phases)
+    try:
+        sent, received, peak = run_moves(group, engine, plan.phases)
+    except Exception as exc:  # a member died or hung mid-exchange: this member's KV is no longer trusted
+        engine.kv.merge_kv_heads(degree)
+        engine.become_whole(mine, recompute=True)
+        raise _healed("scale-up", me, degree, len(mine), exc) from exc
     owned: list[SeqSnapshot] = []
     if me == 0:
         for m, snaps in enumerate(everyone):
@@ -177,11 +200,16 @@ def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: We
                          f"blocks: {exc}") from None
     owners = {b: assignment[s.request.request_id] for s in snaps for b in s.blocks}
     plan = kv_head_split.plan_head_gather(owners, whole_blocks, whole_cfg.num_kv_heads, degree, blocks_before)
-    sent, received, peak = run_moves(group, engine, [plan.moves])
+    mine = [s for s in snaps if assignment[s.request.request_id] == me]
+    try:
+        sent, received, peak = run_moves(group, engine, [plan.moves])
+    except Exception as exc:  # a member died or hung mid-move: become whole with this member's share, recomputed
+        engine.kv.merge_kv_heads(degree)
+        engine.change_shard(whole_cfg, whole, [_recomputed(s) for s in mine])
+        raise _healed("scale-down", me, degree, len(mine), exc) from exc
     engine.kv.merge_kv_heads(degree)
     owned = [SeqSnapshot(s.request, list(s.generated), s.num_computed, [plan.block_maps[me][b] for b in s.blocks],
-                         s.generator_state, s.num_preemptions)
-             for s in snaps if assignment[s.request.request_id] == me]
+                         s.generator_state, s.num_preemptions) for s in mine]
     engine.change_shard(whole_cfg, whole, owned)
     moved = sum(1 for s in snaps if assignment[s.request.request_id] != 0)
     return TransformReport("scale-down", me, degree, len(owned), moved, sent, received, peak, blocks_before,

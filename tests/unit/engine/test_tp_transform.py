@@ -15,7 +15,7 @@ from engine_testing import TP4_CONFIG
 from oracle import compare_greedy
 
 from kunserve.shared.engine.api import EngineRequest, InvalidRequest, SamplingParams, TokenEvent
-from kunserve.shared.engine.engine import Engine, SchedulerConfig
+from kunserve.shared.engine.engine import Engine, InstanceBroken, SchedulerConfig
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader
 from kunserve.shared.engine.tp_transform import TransformReport, scale_down, scale_up
@@ -250,3 +250,59 @@ def test_pooled_instances_change_parallelism_in_place_with_no_page_mapped_or_rel
     finally:
         for i in insts:
             i.close()
+
+
+@pytest.mark.parametrize("op", ["scale-up", "scale-down"])
+def test_a_member_failing_mid_move_heals_every_member_to_whole_with_its_requests_recomputed(op):
+    """A fault injected into rank 1's exchange (it stops taking part): rank 0's collective times out; both heal to
+    whole instances, and every request still ends with the reference's tokens (re-prefilled, never re-emitted)."""
+    torch.set_num_threads(1)
+    cfg, weights = model("tiny")
+    degree = 2
+    engines = [Engine(cfg, weights, num_kv_blocks=BLOCKS, block_size=BLOCK, scheduler_config=SCHED) for _ in range(degree)]
+    requests: dict[str, list[int]] = {}
+    tokens = Tokens()
+    for m, e in enumerate(engines):
+        for i, p in enumerate(prompts(m)):
+            requests[f"m{m}-r{i}"] = p
+            e.add_request(EngineRequest(f"m{m}-r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
+        step_until(e, tokens, tokens.at_least(3, e.seqs))
+    port = free_port()
+    groups: list[TPGroup] = on_threads(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=3, rendezvous_timeout_s=60))  # type: ignore[assignment]
+
+    def broken_exchange(*args, **kwargs):
+        raise InstanceBroken("injected: rank 1 stopped taking part")
+
+    if op == "scale-down":
+        on_threads(degree, lambda r: scale_up(engines[r], groups[r], shard_config(cfg, degree), shard_weights(weights, r, degree)))
+        leader = TPLeader(groups[0])
+        leader.attach(engines[0])
+        follower = TPFollower(groups[1], engines[1])
+        follower.start()
+        step_until(engines[0], tokens, tokens.at_least(6, requests))
+        leader.stop()
+        assert follower.join(30)
+        transform = lambda r: scale_down(engines[r], groups[r], cfg, weights)  # noqa: E731
+    else:
+        transform = lambda r: scale_up(engines[r], groups[r], shard_config(cfg, degree), shard_weights(weights, r, degree))  # noqa: E731
+    groups[1].exchange = broken_exchange  # type: ignore[method-assign]
+    outcomes = on_threads(degree, lambda r: _outcome(transform, r))
+    assert all(isinstance(o, InstanceBroken) and "healed" in str(o) for o in outcomes), outcomes
+    for g in groups:
+        g.close()
+    assert sum(len(e.seqs) for e in engines) == len(requests)  # no request lost
+    for e in engines:
+        assert e.kv.kv_heads_per_block == cfg.num_kv_heads and e.kv.num_blocks == BLOCKS and e.runner.reduce is None
+        assert all(s.num_computed == 0 for s in e.seqs.values())  # their KV is not trusted: they re-prefill
+        step_until(e, tokens, lambda: False)
+    assert tokens.finished == set(requests)
+    for rid, prompt in requests.items():
+        ref, margins = reference_greedy(cfg, weights, prompt, MAX_TOKENS)
+        compare_greedy(tokens.by_request[rid], ref, margins)
+
+
+def _outcome(fn: Callable[[int], object], rank: int) -> object:
+    try:
+        return fn(rank)
+    except InstanceBroken as exc:
+        return exc
