@@ -1,7 +1,8 @@
 """Elastic tensor parallelism (README "Elastic tensor parallelism (Gyges)"): what the page-aligned MLP shards cost, and
-(`--mixed`) what elastic TP does for a mixed trace in a real cluster.
+(`--mixed`) what elastic TP does for a mixed trace in a real cluster, and (`--transform`) what an in-place
+transformation of running engines costs.
 
-Printed as tables and written as JSON (`--out`: "padding", and "mixed" with `--mixed`):
+Printed as tables and written as JSON (`--out`: "padding", "mixed" with `--mixed`, "transform" with `--transform`):
 
 padding — pure arithmetic with the layout the pool would use (shared/model/tp_padding.py): for each model shape
           shipped with the simulator (kunserve/sim/models/*) and the embedded one, the MLP's gate, up and down
@@ -29,17 +30,29 @@ mixed   — (bench/tp_mixed.py) after Gyges §6.2.4: short requests (64-200 prom
           (trace start to the last request's or transformation's end; after the trace the bench waits for the merged
           instance to split back) and how long the cluster served as the merged instance.
 
-The paper (Gyges §4.2) reports 0-14% padding overhead across its models. What is not measured here: the time of an
-in-place transformation. This cluster changes the TP degree by re-forming its members (README), which re-executes
-them and reloads weights rather than releasing pages in place, so the scale-up and split times above are those of a
-cold re-form (seconds, mostly process start and model load), not Gyges' milliseconds; requests running during one
-are handed over and re-prefill. On a 2-core CPU the all-reduce between the TP2 members gives no speed-up (they share
-the cores), so the mixed trace shows whether the long requests get served and what the shorts pay for it, not TP's
-compute gain; the figures move with the machine's load (rerun the configurations together to compare them).
+transform — (bench/tp_transform_bench.py) the in-place transformation itself (shared/engine/tp_transform.py), in this
+          process: 2 or 4 PooledInstances (the pool's "host" backend) on threads over a real gloo group, one torch
+          thread, each filled with running requests to about 25% and 75% of its KV blocks (the embedded model at TP2, a
+          larger random model, hidden 512 and 8 layers of 8 KV heads, at TP2 and TP4; `--quick`: the embedded model
+          at TP2 and 50%). Reported per row: the time of scale_up and of scale_down (the slowest member's) and each as
+          a multiple of the merged instance's decode step, the TP step beside a whole instance's, the sub-blocks sent
+          per layer, the most one member held staged (the extra memory of the move) beside the KV bytes in use per
+          layer, the pool pages mapped before, while merged and after (equal: nothing is mapped or released), and
+          whether every request's greedy tokens across the merge and the split equal the dense reference's.
+
+The paper (Gyges §4.2) reports 0-14% padding overhead across its models. The cluster's elastic TP (`--mixed`) does not
+use the in-place transformation `--transform` measures: it changes the TP degree by re-forming its members (README),
+which re-executes them and reloads weights rather than releasing pages in place, so the scale-up and split times of
+`--mixed` are those of a cold re-form (seconds, mostly process start and model load), not Gyges' milliseconds;
+requests running during one are handed over and re-prefill. On a 2-core CPU the all-reduce between the TP2 members
+gives no speed-up (they share the cores), so the mixed trace shows whether the long requests get served and what the
+shorts pay for it, not TP's compute gain; the figures move with the machine's load (rerun the configurations together
+to compare them).
 
     python bench/tp.py
     python bench/tp.py --out bench/results/tp.json
     python bench/tp.py --mixed --duration 60 --out bench/results/tp_mixed.json
+    python bench/tp.py --transform --out bench/results/tp_transform.json
 """
 
 from __future__ import annotations
@@ -232,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the results as JSON to this path")
     ap.add_argument("--mixed", action="store_true", help="also replay the mixed trace through elastic, static TP1 and TP2")
-    ap.add_argument("--quick", action="store_true", help="--mixed: a short run (20 s, one long request) unless given")
+    ap.add_argument("--transform", action="store_true", help="also time in-place TP scale-up / scale-down of running engines")
+    ap.add_argument("--quick", action="store_true", help="--mixed: 20 s and one long request unless given; --transform: one row")
     ap.add_argument("--duration", type=float, help="--mixed: seconds of short arrivals per configuration (60; --quick 20)")
     ap.add_argument("--rate", type=float, default=DEFAULT_RATE, help="--mixed: short requests per second")
     ap.add_argument("--longs", type=int, help="--mixed: long requests, at even fractions of the duration (3; --quick 1)")
@@ -265,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
 
         result["mixed"] = tp_mixed.run_mixed(args.duration, args.rate, args.longs, args.idle_split_s, args.seed, configs)
         print_mixed(result["mixed"])
+    if args.transform:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import tp_transform_bench
+
+        result["transform"] = tp_transform_bench.run_transform(quick=args.quick)
+        tp_transform_bench.print_transform(result["transform"])
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1, allow_nan=False))

@@ -1,0 +1,370 @@
+"""In-place tensor-parallel transformation, measured (bench/tp.py --transform; shared/engine/tp_transform.py).
+
+Gyges' question: how long does turning `degree` running whole instances into one TP instance (and back) take, as a
+share of the time of a step, and how much extra memory does the move need. Everything runs in this process: each
+member is a PooledInstance (the memory pool's "host" backend, so its pages are the pool's real accounting) on its
+own thread, over a real gloo TPGroup on 127.0.0.1, one torch thread each, as tests/unit/engine/test_tp_transform.py
+drives them.
+
+Per row (a model shape, a degree, a target share of each member's KV blocks): every member is filled with running
+requests until about that share of its blocks is used (prompts sized to the blocks, stepped until every request has
+its first token); one member then times `steps` decode steps as a whole instance (after one untimed step); all
+members scale up at once (the time of the slowest member); the merged instance times `steps` decode steps (rank 0
+steps, the others follow on their threads); all members scale down at once; the whole instances finish every
+request. Reported: the requests, the KV blocks in use, the sub-blocks every member sends per layer (summed over the
+members), the most one member held staged at once beside the KV bytes the instance has in use per layer, the pool
+pages mapped before the merge, after it and after the split (the move maps and releases none), both transformation
+times and each as a multiple of the merged instance's step and of a whole instance's. One untimed merge and split of
+the empty engines comes first, so the first row does not pay the group's first use. Afterwards every request's
+greedy tokens, across the merge and the split, are checked against the dense reference (teacher-forced; a divergence
+after a top-2 margin below 1e-3 counts as a near-tie, the project's oracle).
+
+The transformation runs between two iterations (tp_transform.py's "What differs from Gyges"), so its time here is
+the whole pause the requests see. The members are threads of one process on a 2-core CPU, sharing its cores and
+Python's lock, and every layer's all-reduces go through gloo over loopback: the merged instance's step is many times
+a whole one's, which is why the transformation is given as a multiple of both; the figures move with the load.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kunserve.shared.engine.api import EngineRequest, SamplingParams, TokenEvent
+from kunserve.shared.engine.engine import Engine, SchedulerConfig
+from kunserve.shared.engine.pooled import PooledInstance
+from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader
+from kunserve.shared.engine.tp_transform import TransformReport, scale_down, scale_up
+from kunserve.shared.model.architecture import ModelConfig
+from kunserve.shared.model.reference import reference_scores
+from kunserve.shared.model.tp_degree import shard_config
+from kunserve.shared.model.tp_shard import shard_weights
+from kunserve.shared.model.weights import ModelSource, Weights, load_model_source
+
+MIB = 1 << 20
+NEAR_TIE = 1e-3  # tests/oracle.py: a divergence after a top-2 margin below this is a near-tie, not an error
+BLOCK = 16
+PAGE = 256 << 10
+REQUESTS_PER_MEMBER = 4
+SCHED = SchedulerConfig(max_num_batched_tokens=512)
+THREAD_TIMEOUT_S = 300.0
+
+# Larger than the embedded model, 8 KV heads so TP2 and TP4 both split them.
+LARGER = ModelConfig(
+    vocab_size=4096,
+    hidden_size=512,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=8,
+    intermediate_size=1536,
+    head_dim=64,
+    qkv_bias=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    name="random-h512-l8",
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model shape: the degrees it is merged at, each member's pool (weights + KV) and the KV fills."""
+
+    source: ModelSource
+    degrees: tuple[int, ...]
+    pool_bytes: int
+    fills: tuple[float, ...]
+
+
+def cases(quick: bool) -> list[Case]:
+    tiny = load_model_source(None)
+    if quick:
+        return [Case(tiny, (2,), 28 * MIB, (0.5,))]
+    larger = ModelSource(LARGER.name, LARGER, None, 0)
+    return [
+        Case(tiny, (2,), 32 * MIB, (0.25, 0.75)),
+        Case(larger, (2, 4), 160 * MIB, (0.25, 0.75)),
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _on_threads(degree: int, fn: Callable[[int], Any]) -> list[Any]:
+    """fn(rank) on one thread per rank (as each member would in its own worker); re-raises the first failure."""
+    out: list[Any] = [None] * degree
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        torch.set_num_threads(1)
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(degree)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(THREAD_TIMEOUT_S)
+        if t.is_alive():
+            raise RuntimeError("a member of the transformation hangs")
+    if errors:
+        raise errors[0]
+    return out
+
+
+class Tokens:
+    """Every request's tokens as the engines emit them, wherever it runs; a lost or repeated token is an error."""
+
+    def __init__(self) -> None:
+        self.by_request: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+
+    def add(self, events: list[TokenEvent]) -> None:
+        for e in events:
+            if e.token_id < 0:
+                raise RuntimeError(f"request {e.request_id} failed: {e}")
+            got = self.by_request.setdefault(e.request_id, [])
+            if e.index != len(got):
+                raise RuntimeError(f"{e.request_id}: token {e.index} after {len(got)} (a token re-emitted or lost)")
+            got.append(e.token_id)
+            if e.finish_reason.name != "NONE":
+                self.finished.add(e.request_id)
+
+
+def _prompts(cfg: ModelConfig, blocks: int, share: float, member: int, seed: int) -> list[list[int]]:
+    """REQUESTS_PER_MEMBER prompts that together fill about `share` of `blocks` once prefilled: each ends half a
+    block into its last block, so a few decode steps allocate no new block."""
+    target = max(REQUESTS_PER_MEMBER, round(share * blocks))
+    per = [target // REQUESTS_PER_MEMBER + (i < target % REQUESTS_PER_MEMBER) for i in range(REQUESTS_PER_MEMBER)]
+    rng = random.Random(seed * 1009 + member)
+    return [[rng.randrange(3, min(cfg.vocab_size, 256)) for _ in range(b * BLOCK - BLOCK // 2)] for b in per]
+
+
+def _mean_step_ms(engine: Engine, tokens: Tokens, steps: int) -> float:
+    """The mean of `steps` steps after one untimed step (the first after a change allocates its buffers)."""
+    tokens.add(engine.step())
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tokens.add(engine.step())
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
+def _check_tokens(cfg: ModelConfig, weights: Weights, prompts: dict[str, list[int]], tokens: Tokens) -> dict[str, int]:
+    """Each request's tokens against the dense reference, teacher-forced (tests/oracle.py's rule)."""
+    out = {"equal": 0, "near-tie": 0, "differs": 0}
+    for rid, prompt in prompts.items():
+        got = tokens.by_request[rid]
+        ref, margins = reference_scores(cfg, weights, prompt, got)
+        first = next((i for i, (g, r) in enumerate(zip(got, ref, strict=True)) if g != r), None)
+        out["equal" if first is None else "near-tie" if margins[first] < NEAR_TIE else "differs"] += 1
+    return out
+
+
+def _kv_block_bytes_per_layer(cfg: ModelConfig) -> int:
+    return 2 * cfg.num_kv_heads * cfg.head_dim * BLOCK * torch.tensor([], dtype=cfg.torch_dtype).element_size()
+
+
+def _row(
+    case: Case,
+    degree: int,
+    share: float,
+    insts: list[PooledInstance],
+    groups: list[TPGroup],
+    weights: Weights,
+    shards: list[Weights],
+    steps: int,
+    seed: int,
+) -> dict[str, Any]:
+    cfg = case.source.config
+    engines = [i.engine for i in insts]
+    num_blocks = engines[0].kv.num_blocks
+    max_tokens = 2 * (steps + 1) + 4  # the first token, 1 + `steps` whole, 1 + `steps` merged, a few after the split
+    tokens = Tokens()
+    prompts: dict[str, list[int]] = {}
+    for m, e in enumerate(engines):
+        for i, p in enumerate(_prompts(cfg, num_blocks, share, m, seed)):
+            rid = f"m{m}-r{i}"
+            prompts[rid] = p
+            e.add_request(EngineRequest(rid, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        while not all(tokens.by_request.get(rid) for rid in e.seqs):
+            tokens.add(e.step())
+    whole_step_ms = _mean_step_ms(engines[0], tokens, steps)
+    used = [e.allocator.num_used for e in engines]
+    mapped_before = sum(i.pool.mapped_count for i in insts)
+    shard_cfg = shard_config(cfg, degree)
+    up: list[TransformReport] = _on_threads(degree, lambda r: scale_up(engines[r], groups[r], shard_cfg, shards[r]))
+    mapped_merged = sum(i.pool.mapped_count for i in insts)
+    leader = TPLeader(groups[0])
+    leader.attach(engines[0])
+    followers = [TPFollower(groups[r], engines[r]) for r in range(1, degree)]
+    for f in followers:
+        f.start()
+    try:
+        tp_step_ms = _mean_step_ms(engines[0], tokens, steps)
+    finally:
+        leader.stop()
+        for f in followers:
+            f.join(THREAD_TIMEOUT_S)
+    broken = [f.broken for f in followers if f.broken]
+    if broken:
+        raise RuntimeError(f"a follower broke: {broken[0]}")
+    down: list[TransformReport] = _on_threads(degree, lambda r: scale_down(engines[r], groups[r], cfg, insts[r].layout.weights()))
+    mapped_after = sum(i.pool.mapped_count for i in insts)
+    for e in engines:
+        while e.has_work():
+            tokens.add(e.step())
+    if tokens.finished != set(prompts):
+        raise RuntimeError(f"requests unfinished after the split: {sorted(set(prompts) - tokens.finished)}")
+    scale_up_ms = 1e3 * max(r.seconds for r in up)
+    scale_down_ms = 1e3 * max(r.seconds for r in down)
+    kv_layer_bytes = sum(used) * _kv_block_bytes_per_layer(cfg)
+    return {
+        "shape": cfg.name,
+        "layers": cfg.num_layers,
+        "kv_heads": cfg.num_kv_heads,
+        "degree": degree,
+        "kv_target_share": share,
+        "kv_blocks_per_member": num_blocks,
+        "kv_used_blocks": sum(used),
+        "kv_used_share": sum(used) / (num_blocks * degree),
+        "requests": len(prompts),
+        "moved_requests_up": up[0].moved_requests,
+        "moved_requests_down": down[0].moved_requests,
+        "up_sent_subblocks_per_layer": sum(r.sent_subblocks for r in up),
+        "down_sent_subblocks_per_layer": sum(r.sent_subblocks for r in down),
+        "up_staging_bytes": max(r.staging_bytes for r in up),
+        "down_staging_bytes": max(r.staging_bytes for r in down),
+        "kv_bytes_in_use_per_layer": kv_layer_bytes,
+        "pages_mapped_before": mapped_before,
+        "pages_mapped_merged": mapped_merged,
+        "pages_mapped_after": mapped_after,
+        "pages_unchanged": mapped_before == mapped_merged == mapped_after,
+        "scale_up_ms": scale_up_ms,
+        "scale_down_ms": scale_down_ms,
+        "tp_step_ms": tp_step_ms,
+        "whole_step_ms": whole_step_ms,
+        "scale_up_steps": scale_up_ms / tp_step_ms,
+        "scale_down_steps": scale_down_ms / tp_step_ms,
+        "scale_up_whole_steps": scale_up_ms / whole_step_ms,
+        "scale_down_whole_steps": scale_down_ms / whole_step_ms,
+        "staging_share_of_layer_kv": max(r.staging_bytes for r in (*up, *down)) / kv_layer_bytes,
+        "tokens": _check_tokens(cfg, weights, prompts, tokens),
+    }
+
+
+def _join_group(degree: int, port: int, rank: int) -> TPGroup:
+    return TPGroup(rank, degree, "127.0.0.1", port, timeout_s=120, rendezvous_timeout_s=60)
+
+
+def _warm_up(case: Case, degree: int, insts: list[PooledInstance], groups: list[TPGroup], shards: list[Weights]) -> None:
+    """One untimed merge and split of the empty engines, so the first row does not pay the group's first use."""
+    cfg = case.source.config
+    shard_cfg = shard_config(cfg, degree)
+    _on_threads(degree, lambda r: scale_up(insts[r].engine, groups[r], shard_cfg, shards[r]))
+    _on_threads(degree, lambda r: scale_down(insts[r].engine, groups[r], cfg, insts[r].layout.weights()))
+
+
+def run_transform(quick: bool = False, steps: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """Every case's rows (module docstring); `steps` decode steps are timed per instance (3; --quick 2)."""
+    steps = steps if steps is not None else 2 if quick else 3
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows: list[dict[str, Any]] = []
+    try:
+        for case in cases(quick):
+            weights = case.source.load_weights()
+            for degree in case.degrees:
+                shards = [shard_weights(weights, r, degree) for r in range(degree)]
+                insts: list[PooledInstance] = []
+                groups: list[TPGroup] = []
+                try:
+                    for _ in range(degree):
+                        insts.append(
+                            PooledInstance(
+                                case.source,
+                                layer_range=(0, case.source.config.num_layers),
+                                pool_bytes=case.pool_bytes,
+                                page_size=PAGE,
+                                block_size=BLOCK,
+                                backend="host",
+                                scheduler_config=SCHED,
+                                keep_host_copy=False,
+                            )
+                        )
+                    port = _free_port()
+                    groups = _on_threads(degree, functools.partial(_join_group, degree, port))
+                    _warm_up(case, degree, insts, groups, shards)
+                    for share in case.fills:
+                        rows.append(_row(case, degree, share, insts, groups, weights, shards, steps, seed))
+                finally:
+                    for g in groups:
+                        g.close()
+                    for i in insts:
+                        i.close()
+    finally:
+        torch.set_num_threads(threads)
+    return {"block_size": BLOCK, "page_bytes": PAGE, "steps_timed": steps, "torch_threads": 1, "rows": rows}
+
+
+def print_transform(result: dict[str, Any]) -> None:
+    t = Table(
+        title=f"In-place TP transformation (members on threads over gloo, 1 torch thread, {result['block_size']}-token "
+        f"blocks, {result['page_bytes'] >> 10} KiB pages; step = mean of {result['steps_timed']} decode steps)"
+    )
+    for col in (
+        "shape",
+        "TP",
+        "KV used",
+        "reqs",
+        "sub-blocks up/down",
+        "staging KiB up/down",
+        "KV in use KiB/layer",
+        "pages before/merged/after",
+        "scale-up ms",
+        "scale-down ms",
+        "TP step ms",
+        "whole step ms",
+        "up/down ÷ TP step",
+        "÷ whole step",
+        "tokens",
+    ):
+        t.add_column(col, justify="left" if col in ("shape", "tokens") else "right")
+    for r in result["rows"]:
+        tok = r["tokens"]
+        t.add_row(
+            r["shape"],
+            str(r["degree"]),
+            f"{100 * r['kv_used_share']:.0f}%",
+            str(r["requests"]),
+            f"{r['up_sent_subblocks_per_layer']}/{r['down_sent_subblocks_per_layer']}",
+            f"{r['up_staging_bytes'] / 1024:,.0f}/{r['down_staging_bytes'] / 1024:,.0f}",
+            f"{r['kv_bytes_in_use_per_layer'] / 1024:,.0f}",
+            f"{r['pages_mapped_before']}/{r['pages_mapped_merged']}/{r['pages_mapped_after']}",
+            f"{r['scale_up_ms']:.1f}",
+            f"{r['scale_down_ms']:.1f}",
+            f"{r['tp_step_ms']:.1f}",
+            f"{r['whole_step_ms']:.1f}",
+            f"{r['scale_up_steps']:.1f}x / {r['scale_down_steps']:.1f}x",
+            f"{r['scale_up_whole_steps']:.0f}x / {r['scale_down_whole_steps']:.0f}x",
+            f"{tok['equal']}+{tok['near-tie']} tie" + (f", {tok['differs']} DIFFER" if tok["differs"] else ""),
+        )
+    t.caption = (
+        "sub-blocks: sent per layer, all members; staging: the most one member held at once; tokens: greedy "
+        "tokens equal to the dense reference's (+ near-ties)"
+    )
+    Console(width=220).print(t)
