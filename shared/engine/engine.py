@@ -183,6 +183,10 @@ class Engine:
         # enable_kv_checkpoint. Requests whose checkpointed KV is being prefetched back run (they hold their blocks
         # and may be preempted) with nothing to compute until the copy is done (_prefetching).
         self._ckpt: KVCheckpointStore | None = None
+        self._ckpt_bytes = 0  # enable_kv_checkpoint's capacity
+        # What a whole instance ran with before it became a tensor-parallel member (change_shard): safepoints every
+        # n layers and the checkpoint capacity; None while whole.
+        self._whole_features: tuple[int, int] | None = None
         self._prefetching: dict[str, Sequence] = {}
         # Called on the engine thread with every iteration's (a head's: microbatch's) scheduled chunks before they
         # compute: the worker's Prometheus metrics (tokens per iteration, queue time) read what was scheduled.
@@ -672,6 +676,7 @@ class Engine:
         if self._ckpt is not None:
             self._ckpt.reset()  # copies of requests that left may still be running
         self._ckpt = None
+        self._ckpt_bytes = capacity_bytes
         if capacity_bytes:  # every layer: only a whole instance checkpoints (a group's KV is spread over its stages)
             shape, dtype = self.kv_slab()
             self._ckpt = KVCheckpointStore(self.kv, range(self.cfg.num_layers), shape, dtype, capacity_bytes, self.device)
@@ -896,25 +901,42 @@ class Engine:
         self.kv_limit = None
         self._budget_for(None)
 
-    def change_shard(self, cfg: ModelConfig, weights: Weights, seqs: Iterable[SeqSnapshot] = ()) -> None:
+    def shard_runner(self, cfg: ModelConfig, weights: Weights) -> ModelRunner:
+        """A runner of this engine's layers as the tensor-parallel shard `cfg` (the whole model's config at TP1) over
+        `weights`, built apart from the engine so that a failure to build it changes nothing (see change_shard)."""
+        return ModelRunner(cfg, weights, (self.runner.start, self.runner.end), self.device, pack_weights=self.pack_weights)
+
+    def change_shard(self, runner: ModelRunner, seqs: Iterable[SeqSnapshot] = (), *, tensor_parallel: bool) -> None:
         """Compute as another tensor-parallel shard of the model from now on (an in-place TP change:
-        tp_transform.py): `cfg` is the shard's config (its query and KV heads, its intermediate slice; the whole
-        model's at TP1) and `weights` its tensors; the KV storage must already hold `cfg.num_kv_heads` heads per block
-        (split_kv_heads / merge_kv_heads), and these requests, with tables in that block space, are the engine's
-        (the others are forgotten; their KV stays where it is). The engine computes alone until a TP role attaches
-        to it again (TPLeader.attach, TPFollower). Call with nothing in flight and no pipeline role."""
+        tp_transform.py) with `runner` (shard_runner); the KV storage must already hold the shard's KV heads per block
+        (split_kv_heads / merge_kv_heads), and these requests, with tables in that block space, are the engine's (the
+        others are forgotten; their KV stays where it is). The engine computes alone until a TP role attaches to it
+        again (TPLeader.attach, TPFollower). Layer-wise preemption safepoints and incremental KV checkpoints would act
+        on one member's shard alone, so a member of a TP instance (`tensor_parallel`) runs without them, as a static
+        member does (services/worker/build.py), and gets back what it had once it is whole again. Call with nothing in
+        flight and no pipeline role."""
         if self.link is not None or self.kv_limit is not None:
             raise ValueError("a pipeline group's head cannot change its tensor-parallel shard")
-        if self.kv.kv_heads_per_block != cfg.num_kv_heads:
+        if self.kv.kv_heads_per_block != runner.cfg.num_kv_heads:
             raise ValueError(f"KV storage blocks hold {self.kv.kv_heads_per_block} KV heads, the shard needs "
-                             f"{cfg.num_kv_heads}: split or merge the storage's heads first")
+                             f"{runner.cfg.num_kv_heads}: split or merge the storage's heads first")
         self._settle_checkpoints()
+        if tensor_parallel and self._whole_features is None:
+            self._whole_features = (self.safepoint_every, self._ckpt_bytes)
+            self.safepoint_every = 0
         self.runner.release()
-        self.cfg = cfg
-        self.runner = ModelRunner(cfg, weights, (self.runner.start, self.runner.end), self.device,
-                                  pack_weights=self.pack_weights)
+        self.cfg = runner.cfg
+        self.runner = runner
         self.step_plan = None
-        self._take_role(None, None, seqs)
+        self._take_role(None, None, ())
+        if tensor_parallel:
+            self.enable_kv_checkpoint(0)
+        elif self._whole_features is not None:
+            every, ckpt_bytes = self._whole_features
+            self._whole_features = None
+            self.safepoint_every = every
+            self.enable_kv_checkpoint(ckpt_bytes)
+        self.install(seqs)
 
     def _budget_for(self, link: PipelineLink | None) -> None:
         """The budget of a role: the configured one, under a fresh measured latency when it has a latency model

@@ -85,14 +85,16 @@ class TorchKVStorage:
 
     def merge_kv_heads(self, degree: int) -> None:
         """The inverse of `split_kv_heads`: read every layer's blocks at `degree` times the heads, in place; sub-blocks
-        `b * degree + r` (heads of rank r) become block b again, at the same bytes."""
+        `b * degree + r` (heads of rank r) become block b again, at the same bytes. Sub-blocks past the last whole
+        block are left out, as the pool's layout does."""
         first = next(iter(self._caches.values()), None)
         if first is None:
             return
         heads, sub_blocks = first.shape[2], first.shape[0]
-        if degree < 2 or sub_blocks % degree:
-            raise ValueError(f"degree {degree}: a head merge needs a degree >= 2 that divides the {sub_blocks} sub-blocks")
+        whole = sub_blocks // degree if degree >= 2 else 0
+        if whole < 1:
+            raise ValueError(f"degree {degree}: a head merge needs a degree >= 2 and at least {degree} sub-blocks, got {sub_blocks}")
         for layer, cache in self._caches.items():
-            phys = kv_layout.physical_view(cache)
-            self._caches[layer] = kv_layout.logical_view(phys.view(phys.shape[0] // degree, heads * degree, *phys.shape[2:]))
-        self._num_blocks //= degree
+            phys = kv_layout.physical_view(cache)[: whole * degree]
+            self._caches[layer] = kv_layout.logical_view(phys.view(whole, heads * degree, *phys.shape[2:]))
+        self._num_blocks = whole

@@ -13,9 +13,12 @@ being formed (or split), between two iterations of its engine (nothing in flight
 3. the exchange's phases run layer by layer over the group (`run_moves`): per layer and phase each member reads
    the sub-blocks it sends into one buffer per peer, sends them and receives the peers', then writes what it
    received; the staging is one phase of one layer;
-4. every member computes as its shard from now on (`Engine.change_shard`); rank 0 takes every member's requests,
-   their block tables mapped into the merged block space (member m's block b is merged block `b*degree + m`), the
-   others hold none and follow rank 0's steps (tensor_parallel.py).
+4. every member builds its shard's runner and the members vote (one all-gather): only when all are ready does any
+   commit, so no request ends up owned twice; then every member computes as its shard (`Engine.change_shard`:
+   without layer-wise preemption safepoints or KV checkpoints, which would act on its own heads alone, until it
+   is whole again); rank 0 takes every member's requests, their block tables mapped into the merged block space
+   (member m's block b is merged block `b*degree + m`), the others hold none and follow rank 0's steps
+   (tensor_parallel.py).
 
 **Scale-down** (`scale_down`, the inverse):
 
@@ -26,16 +29,18 @@ being formed (or split), between two iterations of its engine (nothing in flight
    occupy in place is kept there);
 3. the moves run layer by layer (`run_moves`): every source of a layer is read before any destination is written,
    since a destination may be another move's source; the staging is one layer's moved sub-blocks;
-4. every member reads its KV at all heads again (`merge_kv_heads`) and becomes a whole instance holding its
+4. after the same vote, every member reads its KV at all heads again (`merge_kv_heads`) and becomes a whole
+   instance (with the safepoints and checkpoints it had before the scale-up) holding its
    requests, block tables mapped to its whole blocks.
 
-**Failures.** A check that fails (different block counts, requests that do not fit the whole instances) raises
-ValueError on every member before anything changed. A member that dies or hangs mid-move (the group's collective
-fails or times out) leaves the KV untrusted: every member that sees it heals (`InstanceBroken` says so), reading its
-blocks at all heads again and becoming a whole instance whose requests re-prefill (a recompute preemption: the same
-greedy tokens) — after a failed scale-up each member keeps its own requests, after a failed scale-down each keeps the
-share the assignment gave it; a member that died takes its own with it (in a cluster their streams end and the
-dispatcher resumes them elsewhere).
+**Failures.** A check that fails on any member (a transition's KV still landing, swap preemption, a pipeline role,
+different block counts, requests that do not fit the whole instances) raises ValueError on every member before
+anything changed: the members gather their checks first (`_agree`). A member that dies or hangs mid-move (the
+group's collective fails or times out) or cannot build its runner before the vote leaves the KV untrusted: every
+member that sees it heals (`InstanceBroken` says so), reading its blocks at all heads again and becoming a whole
+instance whose requests re-prefill (a recompute preemption: the same greedy tokens) — after a failed scale-up each
+member keeps its own requests, after a failed scale-down each keeps the share the assignment gave it; a member that
+died takes its own with it (in a cluster their streams end and the dispatcher resumes them elsewhere).
 
 Weights are the caller's: the shard each member keeps for a scale-up (`tp_shard.shard_weights`), the whole model's
 for a scale-down. **What differs from Gyges.** The transformation runs between two iterations of the instance
@@ -54,6 +59,7 @@ import torch
 
 from kunserve.shared.engine.api import SeqSnapshot
 from kunserve.shared.engine.engine import Engine, InstanceBroken
+from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.tensor_parallel import TPGroup
 from kunserve.shared.memory import kv_head_split, kv_layout
 from kunserve.shared.memory.kv_head_split import SubBlockMove
@@ -131,11 +137,29 @@ def _healed(op: str, rank: int, degree: int, requests: int, exc: Exception) -> I
                           f"instance again and its {requests} request(s) re-prefill")
 
 
-def _check_quiet(engine: Engine) -> None:
+def _local_error(engine: Engine) -> str:
+    """Why this member's engine cannot change its parallelism now ("" when it can)."""
     if engine.kv_landing:
-        raise ValueError("a transition's KV is still landing on this engine: change its parallelism once it has")
+        return "a transition's KV is still landing on it"
     if engine.link is not None or engine.kv_limit is not None:
-        raise ValueError("a pipeline group's member cannot change its tensor parallelism")
+        return "it is a pipeline group's member"
+    if engine.scheduler.config.preemption == "swap":
+        return "it preempts by swapping, which would copy one member's heads only"
+    return ""
+
+
+def _agree(group: TPGroup, op: str, error: str) -> None:
+    """Every member's checks, gathered: ValueError on every member, naming the ranks, when any failed (so none goes on
+    to a collective the others will never join)."""
+    errors = [e.decode() for e in group.all_gather_bytes(error.encode())]
+    bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if bad:
+        raise ValueError(f"cannot {op} in place: " + "; ".join(bad))
+
+
+def _vote(group: TPGroup, ok: bool) -> bool:
+    """Whether every member is ready to commit (a member that cannot answer raises InstanceBroken)."""
+    return all(group.all_gather_int(int(ok)))
 
 
 def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weights, *,
@@ -144,38 +168,56 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
     member's engine must be whole, idle between iterations, with the same block count; `shard_cfg` / `shard` are
     this rank's shard of the model."""
     t0 = time.monotonic()
-    _check_quiet(engine)
     degree, me = group.degree, group.rank
     whole_heads = engine.kv.kv_heads_per_block
-    if shard_cfg.num_kv_heads * degree != whole_heads:
-        raise ValueError(f"the shard holds {shard_cfg.num_kv_heads} KV heads; TP{degree} of blocks of {whole_heads} "
-                         f"heads needs {whole_heads // degree}")
+    error = _local_error(engine)
+    if not error and shard_cfg.num_kv_heads * degree != whole_heads:
+        error = (f"the shard holds {shard_cfg.num_kv_heads} KV heads; TP{degree} of blocks of {whole_heads} heads "
+                 f"needs {whole_heads // degree}")
+    _agree(group, f"merge into TP{degree}", error)
     blocks_before = engine.kv.num_blocks
     counts = group.all_gather_int(blocks_before)
     if len(set(counts)) != 1:
         raise ValueError(f"members have different KV block counts {counts} (by rank): a head split needs equal ones")
+    now = time.monotonic()  # after a collective: every member's clock reads (nearly) the same instant
     mine = engine.snapshot()
-    now = time.monotonic()  # EngineRequest.arrival_time's clock, the same in every process of a host
     everyone = [snapshots_from_bytes(b, now) for b in group.all_gather_bytes(snapshots_to_bytes(mine, now))]
     used = [{b for s in snaps for b in s.blocks} for snaps in everyone]
     plan = kv_head_split.plan_head_split(used, blocks_before, whole_heads, max_phase_subblocks)
     engine.kv.split_kv_heads(degree)
+    try:  # no byte moved yet: reading the blocks whole again undoes the split
+        sub_counts = group.all_gather_int(engine.kv.num_blocks)
+    except InstanceBroken:
+        engine.kv.merge_kv_heads(degree)
+        raise
+    if len(set(sub_counts)) != 1:  # a pool layout's tail can hold a few more sub-blocks on one member
+        engine.kv.merge_kv_heads(degree)
+        raise ValueError(f"members have different sub-block counts {sub_counts} (by rank) after the head split")
+    runner: ModelRunner | None = None
+    ready, why = False, None
     try:
         sent, received, peak = run_moves(group, engine, plan.phases)
-    except Exception as exc:  # a member died or hung mid-exchange: this member's KV is no longer trusted
+        try:
+            runner, ready = engine.shard_runner(shard_cfg, shard), True
+        except Exception as exc:  # noqa: BLE001 - reported through the vote, healed below
+            why = exc
+        if not _vote(group, ready):
+            raise RuntimeError("a member could not build its shard" if ready else f"its shard could not be built: {why}")
+    except Exception as exc:  # a member died, hung or failed before the commit: this member's KV is not trusted
         engine.kv.merge_kv_heads(degree)
         engine.become_whole(mine, recompute=True)
         raise _healed("scale-up", me, degree, len(mine), exc) from exc
     owned: list[SeqSnapshot] = []
     if me == 0:
         for m, snaps in enumerate(everyone):
-            source = mine if m == 0 else snaps  # rank 0's own requests keep their generator objects' exact state
+            source = mine if m == 0 else snaps  # rank 0's own requests keep their exact arrival times
             for s in source:
                 owned.append(SeqSnapshot(s.request, list(s.generated), s.num_computed,
                                          [plan.block_maps[m][b] for b in s.blocks], s.generator_state,
                                          s.num_preemptions))
         owned.sort(key=lambda s: s.request.arrival_time)
-    engine.change_shard(shard_cfg, shard, owned)
+    assert runner is not None
+    engine.change_shard(runner, owned, tensor_parallel=True)
     moved = sum(len(snaps) for m, snaps in enumerate(everyone) if m != 0)
     return TransformReport("scale-up", me, degree, len(owned), moved, sent, received, peak, blocks_before,
                            engine.kv.num_blocks, time.monotonic() - t0)
@@ -185,11 +227,17 @@ def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: We
     """This member's part of splitting its TP instance into `group.degree` whole engines (module docstring).
     ValueError, with nothing changed on any member, when the instance's requests cannot fit the whole instances."""
     t0 = time.monotonic()
-    _check_quiet(engine)
     degree, me = group.degree, group.rank
     blocks_before = engine.kv.num_blocks
     whole_blocks = blocks_before // degree  # a tail too short for a whole block is dropped by the merge
-    now = time.monotonic()  # EngineRequest.arrival_time's clock, the same in every process of a host
+    error = _local_error(engine)
+    if not error and engine.kv.kv_heads_per_block * degree != whole_cfg.num_kv_heads:
+        error = (f"its blocks hold {engine.kv.kv_heads_per_block} KV heads; TP{degree} of a model of "
+                 f"{whole_cfg.num_kv_heads} needs {whole_cfg.num_kv_heads // degree}")
+    if not error and whole_blocks < 1:
+        error = f"{blocks_before} sub-blocks make no whole block of TP{degree}"
+    _agree(group, f"split TP{degree}", error)
+    now = time.monotonic()  # after a collective: every member's clock reads (nearly) the same instant
     payload = snapshots_to_bytes(engine.snapshot(), now) if me == 0 else b""
     snaps = snapshots_from_bytes(group.all_gather_bytes(payload)[0], now)
     try:
@@ -201,16 +249,26 @@ def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: We
     owners = {b: assignment[s.request.request_id] for s in snaps for b in s.blocks}
     plan = kv_head_split.plan_head_gather(owners, whole_blocks, whole_cfg.num_kv_heads, degree, blocks_before)
     mine = [s for s in snaps if assignment[s.request.request_id] == me]
+    runner: ModelRunner | None = None
+    ready, why = False, None
     try:
         sent, received, peak = run_moves(group, engine, [plan.moves])
-    except Exception as exc:  # a member died or hung mid-move: become whole with this member's share, recomputed
+        try:
+            runner, ready = engine.shard_runner(whole_cfg, whole), True
+        except Exception as exc:  # noqa: BLE001 - reported through the vote, healed below
+            why = exc
+        if not _vote(group, ready):
+            raise RuntimeError("a member could not build its runner" if ready else f"its runner could not be built: {why}")
+    except Exception as exc:  # a member died, hung or failed mid-move: become whole with this member's share, recomputed
         engine.kv.merge_kv_heads(degree)
-        engine.change_shard(whole_cfg, whole, [_recomputed(s) for s in mine])
+        engine.change_shard(runner if ready and runner is not None else engine.shard_runner(whole_cfg, whole),
+                            [_recomputed(s) for s in mine], tensor_parallel=False)
         raise _healed("scale-down", me, degree, len(mine), exc) from exc
     engine.kv.merge_kv_heads(degree)
     owned = [SeqSnapshot(s.request, list(s.generated), s.num_computed, [plan.block_maps[me][b] for b in s.blocks],
                          s.generator_state, s.num_preemptions) for s in mine]
-    engine.change_shard(whole_cfg, whole, owned)
+    assert runner is not None
+    engine.change_shard(runner, owned, tensor_parallel=False)
     moved = sum(1 for s in snaps if assignment[s.request.request_id] != 0)
     return TransformReport("scale-down", me, degree, len(owned), moved, sent, received, peak, blocks_before,
                            engine.kv.num_blocks, time.monotonic() - t0)

@@ -109,6 +109,9 @@ def test_requests_live_through_a_scale_up_and_a_scale_down_mid_decode(name, degr
     cfg, weights = model(name)
     shard_cfg = shard_config(cfg, degree)
     engines = [Engine(cfg, weights, num_kv_blocks=BLOCKS, block_size=BLOCK, scheduler_config=SCHED) for _ in range(degree)]
+    for e in engines:  # a ConServe worker's features, which act on one member's heads alone: off while merged
+        e.enable_layerwise_preemption(1, 1.0)
+        e.enable_kv_checkpoint(1 << 20)
     requests: dict[str, list[int]] = {}
     for m, e in enumerate(engines):
         for i, p in enumerate(prompts(m)):
@@ -135,6 +138,7 @@ def test_requests_live_through_a_scale_up_and_a_scale_down_mid_decode(name, degr
     assert up[0].moved_requests == 2 * (degree - 1)
     assert all(r.blocks_after == BLOCKS * degree for r in up)  # the same pages hold degree x the blocks
     assert all(r.sent_subblocks > 0 and r.received_subblocks > 0 for r in up)
+    assert all(e.safepoint_every == 0 and e.kv_checkpoint is None for e in engines)
     leader = TPLeader(groups[0])
     leader.attach(engines[0])
     followers = [TPFollower(groups[r], engines[r]) for r in range(1, degree)]
@@ -157,6 +161,7 @@ def test_requests_live_through_a_scale_up_and_a_scale_down_mid_decode(name, degr
         g.close()  # type: ignore[attr-defined]
     for e in engines:
         assert e.runner.reduce is None and e.step_plan is None  # whole again: nothing to sum or broadcast
+        assert e.safepoint_every == 1 and e.kv_checkpoint is not None  # and its own features back
         step_until(e, tokens, lambda: False)
     assert tokens.finished == set(requests) | {"long"}
     for rid, prompt in [*requests.items(), ("long", long_prompt)]:
@@ -305,4 +310,77 @@ def _outcome(fn: Callable[[int], object], rank: int) -> object:
     try:
         return fn(rank)
     except InstanceBroken as exc:
+        return exc
+
+
+def test_a_member_that_cannot_build_its_shard_makes_every_member_heal_and_none_own_a_request_twice():
+    """The vote before the commit: rank 1 fails after the exchange (its shard's runner cannot be built); rank 0,
+    whose part succeeded, must not adopt rank 1's requests."""
+    torch.set_num_threads(1)
+    cfg, weights = model("tiny")
+    degree = 2
+    engines = [Engine(cfg, weights, num_kv_blocks=BLOCKS, block_size=BLOCK, scheduler_config=SCHED) for _ in range(degree)]
+    requests: dict[str, list[int]] = {}
+    tokens = Tokens()
+    for m, e in enumerate(engines):
+        for i, p in enumerate(prompts(m)):
+            requests[f"m{m}-r{i}"] = p
+            e.add_request(EngineRequest(f"m{m}-r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
+        step_until(e, tokens, tokens.at_least(3, e.seqs))
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("injected: no memory for the shard")
+
+    engines[1].shard_runner = no_memory  # type: ignore[method-assign]
+    port = free_port()
+    groups: list[TPGroup] = on_threads(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=30, rendezvous_timeout_s=60))  # type: ignore[assignment]
+    shard_cfg = shard_config(cfg, degree)
+
+    def up(r: int) -> TransformReport:
+        return scale_up(engines[r], groups[r], shard_cfg, shard_weights(weights, r, degree))
+
+    outcomes = on_threads(degree, lambda r: _outcome(up, r))
+    assert all(isinstance(o, InstanceBroken) and "healed" in str(o) for o in outcomes), outcomes
+    for g in groups:
+        g.close()
+    assert sorted(engines[0].seqs) == ["m0-r0", "m0-r1"] and sorted(engines[1].seqs) == ["m1-r0", "m1-r1"]
+    for e in engines:
+        assert e.kv.kv_heads_per_block == cfg.num_kv_heads and e.cfg is cfg
+        step_until(e, tokens, lambda: False)
+    assert tokens.finished == set(requests)
+    for rid, prompt in requests.items():
+        ref, margins = reference_greedy(cfg, weights, prompt, MAX_TOKENS)
+        compare_greedy(tokens.by_request[rid], ref, margins)
+
+
+def test_a_check_failing_on_one_member_refuses_on_every_member_and_changes_nothing():
+    """Rank 1 preempts by swapping (its swap copies would hold one member's heads): every member refuses at once,
+    none waits in a collective the other never joins, and both go on decoding as whole engines."""
+    torch.set_num_threads(1)
+    cfg, weights = model("tiny")
+    swap = SchedulerConfig(max_num_batched_tokens=64, preemption="swap")
+    engines = [Engine(cfg, weights, num_kv_blocks=BLOCKS, block_size=BLOCK, scheduler_config=c) for c in (SCHED, swap)]
+    tokens = Tokens()
+    for m, e in enumerate(engines):
+        e.add_request(EngineRequest(f"m{m}", prompts(m)[0], SamplingParams(max_tokens=8, ignore_eos=True)))
+        step_until(e, tokens, tokens.at_least(2, e.seqs))
+    port = free_port()
+    groups: list[TPGroup] = on_threads(2, lambda r: TPGroup(r, 2, "127.0.0.1", port, timeout_s=30, rendezvous_timeout_s=60))  # type: ignore[assignment]
+    shard_cfg = shard_config(cfg, 2)
+    outcomes = on_threads(2, lambda r: _refusal(lambda: scale_up(engines[r], groups[r], shard_cfg, shard_weights(weights, r, 2))))
+    assert all(isinstance(o, ValueError) and "rank 1: it preempts by swapping" in str(o) for o in outcomes), outcomes
+    for g in groups:
+        g.close()
+    for e in engines:
+        assert e.kv.kv_heads_per_block == cfg.num_kv_heads and all(s.num_computed > 0 for s in e.seqs.values())
+        step_until(e, tokens, lambda: False)
+    for m in range(2):
+        ref, margins = reference_greedy(cfg, weights, prompts(m)[0], 8)
+        compare_greedy(tokens.by_request[f"m{m}"], ref, margins)
+
+
+def _refusal(fn: Callable[[], object]) -> object:
+    try:
+        return fn()
+    except ValueError as exc:
         return exc
