@@ -114,7 +114,7 @@ def test_layout_merge_drops_a_tail_that_is_not_a_whole_block():
         lay.merge_kv_heads(1)
 
 
-def test_torch_storage_merge_rereads_sub_blocks_as_whole_blocks_and_refuses_a_partial_block():
+def test_torch_storage_merge_rereads_sub_blocks_as_whole_blocks_and_drops_a_partial_tail():
     st = TorchKVStorage([0], 4, 2, block_size=2, head_dim=4)
     st.layer_cache(0).copy_(torch.arange(st.layer_cache(0).numel(), dtype=torch.float32).view(st.layer_cache(0).shape))
     sub = st.layer_cache(0).clone()
@@ -123,10 +123,18 @@ def test_torch_storage_merge_rereads_sub_blocks_as_whole_blocks_and_refuses_a_pa
     for b in range(2):
         for r in range(2):
             assert torch.equal(st.layer_cache(0)[b][:, 2 * r : 2 * r + 2], sub[b * 2 + r])
-    with pytest.raises(ValueError, match="divides the 2 sub-blocks"):
+    with pytest.raises(ValueError, match="at least 4 sub-blocks, got 2"):
         st.merge_kv_heads(4)
     with pytest.raises(ValueError, match="degree >= 2"):
         st.merge_kv_heads(1)
+    odd = TorchKVStorage([0], 5, 1, block_size=2, head_dim=4)  # 5 sub-blocks of one head: two whole blocks of two
+    odd.layer_cache(0).copy_(torch.arange(odd.layer_cache(0).numel(), dtype=torch.float32).view(odd.layer_cache(0).shape))
+    before = odd.layer_cache(0).clone()
+    odd.merge_kv_heads(2)
+    assert odd.num_blocks == 2 and odd.layer_cache(0).shape[0] == 2
+    for b in range(2):
+        for r in range(2):
+            assert torch.equal(odd.layer_cache(0)[b][:, r : r + 1], before[b * 2 + r])
 
 
 def test_apply_sub_block_moves_reads_before_writing_and_refuses_bad_moves():
