@@ -152,6 +152,10 @@ class MemoryManagerSection(ServiceSection):
     # With dispatcher.elastic_tp: a tensor-parallel instance that held no request for this long is split back into
     # whole instances (README "Elastic tensor parallelism (Gyges)"); 0 = never (kunctl tp-split only).
     tp_idle_split_s: float = 30.0
+    # How a tensor-parallel change happens when kunctl tp / tp-split or transformation-aware routing does not say:
+    # "cold" re-executes the members (running requests re-prefill) and "in-place" changes the running processes (the
+    # requests keep their KV; the pool keeps the whole model). README "Elastic tensor parallelism (Gyges)".
+    tp_mode: str = "cold"
 
 
 @dataclass
@@ -554,6 +558,9 @@ def _validate_autoscale(cfg: ClusterConfig, src: str) -> None:
         raise ConfigError(f"{src}: memory_manager.member_timeout_s must be > 0, got {cfg.memory_manager.member_timeout_s}")
 
 
+TP_MODES = ("cold", "in-place")
+
+
 def _validate_tensor_parallel(cfg: ClusterConfig, worker_ids: set[str]) -> None:
     """Members are configured workers holding every layer, each in one instance of 1, 2 or 4; nothing that would move
     one member's KV without the others' (swap preemption) or pair members into pipeline groups (static-pp). Whether
@@ -582,6 +589,8 @@ def _validate_tensor_parallel(cfg: ClusterConfig, worker_ids: set[str]) -> None:
             raise ConfigError(f"{where}.port must be in [0, 65535] (0 = the local launcher picks one), got {tp.port}")
         if not (tp.timeout_s > 0 and tp.rendezvous_timeout_s > 0):
             raise ConfigError(f"{where}: timeout_s and rendezvous_timeout_s must be > 0")
+    if cfg.memory_manager.tp_mode not in TP_MODES:
+        raise ConfigError(f"{src}: memory_manager.tp_mode must be one of {', '.join(TP_MODES)}, got {cfg.memory_manager.tp_mode!r}")
     if any(tp.degree > 1 for tp in cfg.tensor_parallel):
         if cfg.policy.overload == "swap":
             raise ConfigError(f"{src}: policy.overload = swap is not supported with tensor-parallel instances (a swap "

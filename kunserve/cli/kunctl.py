@@ -617,7 +617,7 @@ def cmd_restore(args: argparse.Namespace) -> None:
     _finish_transition(rep, args)
 
 
-# --- elastic tensor parallelism by cold re-form (MemoryManager.TransformTP / SplitTP) ------------------------------
+# --- elastic tensor parallelism, in place or by cold re-form (MemoryManager.TransformTP / SplitTP) ------------------------------
 def _tp_instances(instances) -> str:
     return "; ".join(f"{'+'.join(i.members)}{f' (TP{len(i.members)})' if len(i.members) > 1 else ''}: "
                      f"{i.kv_blocks} KV blocks ({i.kv_tokens} tokens)" for i in instances) or "unknown"
@@ -635,19 +635,33 @@ def format_tp_report(rep) -> str:
     lines.append(f"before: {_tp_instances(rep.before)}")
     lines.append(f"after:  {_tp_instances(rep.after)}")
     extra = f", rendezvous port {rep.port}" if rep.port else ""
-    lines.append(f"cold re-form (weights reloaded, no KV kept): {rep.handed_over} running request"
-                 f"{'s' if rep.handed_over != 1 else ''} handed over to re-prefill{extra}; total {_ms(rep.total_seconds)}")
+    if rep.mode == "in-place":
+        lines.append(f"in place (running requests kept running with their KV; the pool keeps the whole model){extra}; "
+                     f"total {_ms(rep.total_seconds)}")
+    else:
+        lines.append(f"cold re-form (weights reloaded, no KV kept): {rep.handed_over} running request"
+                     f"{'s' if rep.handed_over != 1 else ''} handed over to re-prefill{extra}; total {_ms(rep.total_seconds)}")
     return "\n".join(lines)
 
 
+def _tp_mode(args: argparse.Namespace) -> str:
+    return "in-place" if args.in_place else "cold" if args.cold else ""
+
+
 def cmd_tp(args: argparse.Namespace) -> None:
-    req = memory_manager_pb2.TransformTPRequest(worker_ids=args.group, degree=args.degree or 0)
+    req = memory_manager_pb2.TransformTPRequest(worker_ids=args.group, degree=args.degree or 0, mode=_tp_mode(args))
     _finish_transition(_mm_rpc(args, lambda stub: stub.TransformTP(req, timeout=max(args.timeout, 600))), args, format_tp_report)
 
 
 def cmd_tp_split(args: argparse.Namespace) -> None:
-    req = memory_manager_pb2.SplitTPRequest(worker_id=args.group)
+    req = memory_manager_pb2.SplitTPRequest(worker_id=args.group, mode=_tp_mode(args))
     _finish_transition(_mm_rpc(args, lambda stub: stub.SplitTP(req, timeout=max(args.timeout, 600))), args, format_tp_report)
+
+
+def _mode_flags(p: argparse.ArgumentParser) -> None:
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--in-place", action="store_true", help="change the running processes: requests keep their KV")
+    how.add_argument("--cold", action="store_true", help="re-execute the members: requests re-prefill")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -722,24 +736,31 @@ def build_parser() -> argparse.ArgumentParser:
     rs.set_defaults(func=cmd_restore)
     tp = sub.add_parser(
         "tp", help="re-form co-located whole instances into one tensor-parallel instance (TP2 / TP4)",
-        description="Cold re-form (README 'Elastic tensor parallelism (Gyges)'): every member hands its running "
-                    "requests over (they re-prefill on the new instance), restarts in place with a shard of every "
-                    "layer and meets the others; rank 0 (the first id) serves. Prints the report (KV capacity before "
-                    "and after, time); exits 1 when it did not complete (every member is healed to a whole instance).",
+        description="README 'Elastic tensor parallelism (Gyges)'. In place (--in-place): the members meet, split "
+                    "their KV heads and exchange them, and rank 0 (the first id) serves every member's running "
+                    "requests, which keep their KV. Cold (--cold): every member hands its running requests over "
+                    "(they re-prefill on the new instance), restarts with a shard of every layer and meets the others. "
+                    "Without either, memory_manager.tp_mode decides. Prints the report (KV capacity before and after, "
+                    "time); exits 1 when it did not complete (every member is healed to a whole instance).",
         epilog="examples: kunctl tp --group worker-0,worker-1; kunctl tp --group w0,w1,w2,w3 --degree 4")
     tp.add_argument("--group", type=parse_group, required=True, metavar="W0,W1",
                     help="the members, rank 0 first; every one a serving whole instance on the same host")
     tp.add_argument("--degree", type=int, choices=(2, 4), help="the tensor-parallel degree (default: the group size)")
     tp.add_argument("--json", action="store_true", help="print the report as JSON")
+    _mode_flags(tp)
     tp.set_defaults(func=cmd_tp)
     ts = sub.add_parser(
         "tp-split", help="split a tensor-parallel instance back into whole instances",
-        description="Cold re-form of every member of the tensor-parallel instance --group names into a whole "
-                    "instance of its own (rank 0 first; its running requests re-prefill on one of them). Prints "
-                    "the report; exits 1 when it did not complete.",
+        description="Split the tensor-parallel instance --group names into whole instances. In place (an "
+                    "instance formed in place): rank 0 takes the followers with it, the running requests are shared "
+                    "among the members and keep their KV (refused while they would not fit the whole instances). "
+                    "Cold (or an instance formed cold): every member re-forms as a whole instance of its own (rank 0 "
+                    "first; its running requests re-prefill on one of them). Prints the report; exits 1 when it did "
+                    "not complete.",
         epilog="example: kunctl tp-split --group worker-0")
     ts.add_argument("--group", required=True, metavar="W", help="any member of the tensor-parallel instance")
     ts.add_argument("--json", action="store_true", help="print the report as JSON")
+    _mode_flags(ts)
     ts.set_defaults(func=cmd_tp_split)
     return p
 

@@ -41,18 +41,22 @@ class PlaceLongRequestReply(_message.Message):
     def __init__(self, action: _Optional[_Union[PlaceLongRequestReply.Action, str]] = ..., worker_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., reason: _Optional[str] = ..., scale_up: _Optional[_Union[TPReport, _Mapping]] = ...) -> None: ...
 
 class TransformTPRequest(_message.Message):
-    __slots__ = ("worker_ids", "degree")
+    __slots__ = ("worker_ids", "degree", "mode")
     WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
     DEGREE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     worker_ids: _containers.RepeatedScalarFieldContainer[str]
     degree: int
-    def __init__(self, worker_ids: _Optional[_Iterable[str]] = ..., degree: _Optional[int] = ...) -> None: ...
+    mode: str
+    def __init__(self, worker_ids: _Optional[_Iterable[str]] = ..., degree: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class SplitTPRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "mode")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    mode: str
+    def __init__(self, worker_id: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class TPInstance(_message.Message):
     __slots__ = ("members", "kv_blocks", "kv_tokens")
@@ -65,7 +69,7 @@ class TPInstance(_message.Message):
     def __init__(self, members: _Optional[_Iterable[str]] = ..., kv_blocks: _Optional[int] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
 
 class TPReport(_message.Message):
-    __slots__ = ("op", "completed", "healed", "error", "members", "degree", "before", "after", "total_seconds", "epoch", "port", "handed_over")
+    __slots__ = ("op", "completed", "healed", "error", "members", "degree", "before", "after", "total_seconds", "epoch", "port", "handed_over", "mode")
     OP_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     HEALED_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +82,7 @@ class TPReport(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     op: str
     completed: bool
     healed: bool
@@ -90,7 +95,8 @@ class TPReport(_message.Message):
     epoch: int
     port: int
     handed_over: int
-    def __init__(self, op: _Optional[str] = ..., completed: _Optional[bool] = ..., healed: _Optional[bool] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., degree: _Optional[int] = ..., before: _Optional[_Iterable[_Union[TPInstance, _Mapping]]] = ..., after: _Optional[_Iterable[_Union[TPInstance, _Mapping]]] = ..., total_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., port: _Optional[int] = ..., handed_over: _Optional[int] = ...) -> None: ...
+    mode: str
+    def __init__(self, op: _Optional[str] = ..., completed: _Optional[bool] = ..., healed: _Optional[bool] = ..., error: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., degree: _Optional[int] = ..., before: _Optional[_Iterable[_Union[TPInstance, _Mapping]]] = ..., after: _Optional[_Iterable[_Union[TPInstance, _Mapping]]] = ..., total_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., port: _Optional[int] = ..., handed_over: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class ModelFingerprint(_message.Message):
     __slots__ = ("model_name", "architecture", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size", "max_model_len", "dtype", "checkpoint")

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReformTPRequest(_message.Message):
-    __slots__ = ("members", "rank", "port", "host", "rendezvous_timeout_s", "drain_timeout_s")
+    __slots__ = ("members", "rank", "port", "host", "rendezvous_timeout_s", "drain_timeout_s", "in_place")
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     members: _containers.RepeatedScalarFieldContainer[str]
     rank: int
     port: int
     host: str
     rendezvous_timeout_s: float
     drain_timeout_s: float
-    def __init__(self, members: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., port: _Optional[int] = ..., host: _Optional[str] = ..., rendezvous_timeout_s: _Optional[float] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+    in_place: bool
+    def __init__(self, members: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., port: _Optional[int] = ..., host: _Optional[str] = ..., rendezvous_timeout_s: _Optional[float] = ..., drain_timeout_s: _Optional[float] = ..., in_place: _Optional[bool] = ...) -> None: ...
 
 class ReformTPReply(_message.Message):
     __slots__ = ("worker_id", "reforming", "port", "host", "finished", "handed_over")

@@ -98,7 +98,7 @@ class MemoryManager:
         self.orchestrator = Orchestrator(self, cfg.memory_manager.transition_timeout_s,
                                          cfg.memory_manager.transition_lease_s,
                                          background_kv=cfg.memory_manager.coordinated_exchange)
-        self.tp = TPReformer(self, self.orchestrator, cfg.memory_manager.transition_timeout_s)
+        self.tp = TPReformer(self, self.orchestrator, cfg.memory_manager.transition_timeout_s, cfg.memory_manager.tp_mode)
         self.tp_placer = TPPlacer(self.tp, idle_split_s=cfg.memory_manager.tp_idle_split_s if cfg.dispatcher.elastic_tp else 0.0)
         self._infos: dict[str, worker_pb2.WorkerInfo] = {}  # the latest GetInfo of each reachable worker
         self._linking: asyncio.Task | None = None

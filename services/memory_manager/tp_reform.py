@@ -40,6 +40,7 @@ from kunserve.v1 import common_pb2, memory_manager_pb2, worker_pb2, worker_pb2_g
 from .orchestrator import ClusterAccess, OrchestrationError, Orchestrator
 
 POLL_S = 0.25
+MODES = ("cold", "in-place")
 
 
 class TPClusterAccess(ClusterAccess, Protocol):
@@ -205,10 +206,11 @@ async def ask_reachable(cluster: ClusterAccess, ids: Sequence[str],
 class TPReformer:
     """Drives TransformTP / SplitTP through the workers' ReformTP (module docstring)."""
 
-    def __init__(self, cluster: TPClusterAccess, orchestrator: Orchestrator, timeout_s: float) -> None:
+    def __init__(self, cluster: TPClusterAccess, orchestrator: Orchestrator, timeout_s: float, mode: str = "cold") -> None:
         self.cluster = cluster
         self.orchestrator = orchestrator
         self.timeout_s = timeout_s
+        self.mode = mode  # memory_manager.tp_mode: how a change happens when the request does not say
         self.log = get_logger()
         # The members of the re-form under way: they re-execute and answer nothing for a while, and must not
         # expire from the membership meanwhile (the autoscaler would count them gone, the dispatcher drop them).
@@ -252,8 +254,17 @@ class TPReformer:
             {w: r for w, r in zip(workers, got) if isinstance(r, Exception)},
         )
 
-    def _reform(self, members: Sequence[str], rank: int, port: int = 0, host: str = "") -> worker_pb2.ReformTPRequest:
-        return worker_pb2.ReformTPRequest(members=list(members), rank=rank, port=port, host=host, rendezvous_timeout_s=self.timeout_s)
+    def _reform(self, members: Sequence[str], rank: int, port: int = 0, host: str = "",
+                in_place: bool = False) -> worker_pb2.ReformTPRequest:
+        return worker_pb2.ReformTPRequest(members=list(members), rank=rank, port=port, host=host,
+                                          rendezvous_timeout_s=self.timeout_s, in_place=in_place)
+
+    def _mode(self, asked: str) -> str:
+        mode = asked or self.mode
+        if mode not in MODES:
+            raise OrchestrationError("INVALID_ARGUMENT", f"mode: one of {', '.join(MODES)} (empty: the cluster's "
+                                     f"memory_manager.tp_mode, {self.mode}), got {asked!r}")
+        return mode
 
     async def _wait(
         self,
@@ -280,19 +291,23 @@ class TPReformer:
             ids = list(req.worker_ids)
             if not ids:
                 raise OrchestrationError("INVALID_ARGUMENT", "worker_ids: name the members, rank 0 first")
+            mode = self._mode(req.mode)
+            in_place = mode == "in-place"
             found = await self._infos(ids)
             self.reforming.update(ids)
             degree = check_transform(ids, req.degree, self.cluster.worker_ids, found, self.cluster.model_shape())
-            report = memory_manager_pb2.TPReport(op="tp", members=ids, degree=degree, before=[instance_pb([w], found[w]) for w in ids])
-            self.log.info("tp_reform_start", op="tp", members=ids, degree=degree)
+            report = memory_manager_pb2.TPReport(op="tp", members=ids, degree=degree, before=[instance_pb([w], found[w]) for w in ids],
+                                                 mode=mode)
+            self.log.info("tp_reform_start", op="tp", members=ids, degree=degree, mode=mode)
             try:
-                first = await self._stub(ids[0]).ReformTP(self._reform(ids, 0), timeout=self.timeout_s)
+                first = await self._stub(ids[0]).ReformTP(self._reform(ids, 0, in_place=in_place), timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:
                 return await self._failed(report, ids, f"{ids[0]}: {exc.code().name}: {exc.details()}", t0)
             report.port = first.port
             report.handed_over = first.handed_over
             replies, failed = await self._each(
-                ids[1:], lambda w, stub: stub.ReformTP(self._reform(ids, ids.index(w), first.port, first.host), timeout=self.timeout_s)
+                ids[1:],
+                lambda w, stub: stub.ReformTP(self._reform(ids, ids.index(w), first.port, first.host, in_place), timeout=self.timeout_s),
             )
             for r in replies.values():
                 report.handed_over += r.handed_over
@@ -316,14 +331,17 @@ class TPReformer:
             t0 = time.perf_counter()
             if not req.worker_id:
                 raise OrchestrationError("INVALID_ARGUMENT", "worker_id: name a member of the instance to split")
+            mode = self._mode(req.mode)
             found = await self._infos([req.worker_id])
             members = list(check_split(req.worker_id, self.cluster.worker_ids, found))
             self.reforming.update(members)
             found = await self._infos(members)
             report = memory_manager_pb2.TPReport(
-                op="tp-split", members=members, degree=1, before=[instance_pb(members, found.get(members[0]))]
+                op="tp-split", members=members, degree=1, before=[instance_pb(members, found.get(members[0]))], mode=mode
             )
-            self.log.info("tp_reform_start", op="tp-split", members=members)
+            self.log.info("tp_reform_start", op="tp-split", members=members, mode=mode)
+            if mode == "in-place" and await self._split_in_place(members, report):
+                return await self._done(report, [[w] for w in members], t0)
             # rank 0 first: it hands its requests over and stops the followers cleanly before they leave
             try:
                 first = await self._stub(members[0]).ReformTP(self._reform([members[0]], 0), timeout=self.timeout_s)
@@ -335,6 +353,37 @@ class TPReformer:
                 report.error = f"not every member served as a whole instance within {self.timeout_s:g}s"
                 return await self._finish(report, members, t0)
             return await self._done(report, [[w] for w in members], t0)
+
+    async def _split_in_place(self, members: Sequence[str], report: memory_manager_pb2.TPReport) -> bool:
+        """Ask rank 0 for an in-place split (it takes the followers with it) and wait until every member serves alone.
+        False when the split is to go on cold: the instance was formed cold (its members hold their shards only), it
+        refused (its requests do not fit the whole instances: `report.error` says so and the instance serves on), or
+        it did not end in time."""
+        try:
+            await self._stub(members[0]).ReformTP(self._reform([members[0]], 0, in_place=True), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise OrchestrationError(exc.code().name, f"{members[0]}: {exc.details()}") from None
+            self.log.info("tp_split_cold", members=list(members), why=exc.details())
+            report.mode = "cold"
+            return False
+
+        def whole(now: Mapping[str, TPWorker]) -> bool:
+            return all(w in now and now[w].tp_degree == 1 and now[w].serving for w in members)
+
+        def settled(now: Mapping[str, TPWorker]) -> bool:  # whole, or back to the instance (the split was refused)
+            return whole(now) or (members[0] in now and now[members[0]].tp_degree > 1 and now[members[0]].serving)
+
+        await asyncio.sleep(POLL_S)  # rank 0 stops serving at once; give it a poll before reading `settled`
+        if not await self._wait(members, settled, self.timeout_s):
+            report.error = f"the in-place split did not end within {self.timeout_s:g}s; splitting cold"
+            report.mode = "cold"
+            return False
+        now = await self._infos(members, wait=False)
+        if whole(now):
+            return True
+        raise OrchestrationError("FAILED_PRECONDITION", f"the in-place split of {members[0]}'s instance was refused (its "
+                                 "running requests do not fit the whole instances: see the worker's log); it serves on")
 
     async def _as_whole(self, members: Sequence[str], timeout_s: float) -> bool:
         """Re-form every member that is still in an instance of more than one as a whole instance (again on every

@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
             port_busy = any(s in str(exc).lower() for s in ("busy", "in use"))
         servicer = WorkerServicer(identity, engine_loop, instance, transfer,
                                   cfg.memory_manager.transition_timeout_s, tp=tp,
-                                  whole_model=tp.whole if tp is not None and tp.whole is not None else instance.source)
+                                  whole_model=tp.whole if tp is not None and tp.whole is not None else instance.source,
+                                  tp_mode=cfg.memory_manager.tp_mode)
         servicers.append(servicer)
         tasks: list[asyncio.Task] = []
 
@@ -255,17 +256,17 @@ def main(argv: list[str] | None = None) -> None:
         async def stopping() -> None:
             for t in tasks:
                 t.cancel()
-            if tp is not None:
-                tp.cancel_tasks()
+            if servicer.tp is not None:  # the config's, or one formed in place since
+                servicer.tp.cancel_tasks()
             stop_reporting()
-            if not seed and servicer.reform is None:  # a re-forming worker is back under its id in a moment
+            if not seed and (servicer.reform is None or servicer.reform_in_place):  # a cold re-form is back in a moment
                 await membership.deregister("shutdown")
             await membership.close()
             if metrics is not None:
                 await metrics.stop()
             await servicer.shutdown()
-            if tp is not None:
-                await asyncio.to_thread(tp.close, engine_loop)
+            if servicer.tp is not None:
+                await asyncio.to_thread(servicer.tp.close, engine_loop)
             if transfer is not None:
                 await transfer.close()
 
@@ -273,12 +274,13 @@ def main(argv: list[str] | None = None) -> None:
                               on_shutdown=stopping, auth=internal_rules(creds), tls=creds.tls,
                               require_client_cert=creds.tls is not None and creds.tls.mutual,
                               alive=lambda: (engine_loop.error is None and engine_loop.step_seconds() < stuck_s
-                                             and (tp is None or tp.broken(engine_loop) is None)))
+                                             and (servicer.tp is None or servicer.tp.broken(engine_loop) is None)))
 
     rpc.run(amain)
-    if servicers and servicers[0].reform is not None:  # a cold re-form: the same process, a new membership
-        reexec(reform_argv(raw_argv, servicers[0].reform))
-    if tp is not None and tp.exited_broken:  # its instance broke: start again with the other members
+    last = servicers[0] if servicers else None
+    if last is not None and last.reform is not None and not last.reform_in_place:  # a cold re-form: same process
+        reexec(reform_argv(raw_argv, last.reform))
+    if last is not None and last.tp is not None and last.tp.exited_broken:  # its instance broke: start again
         raise SystemExit(EXIT_BROKEN)
 
 

@@ -129,7 +129,8 @@ class TransitionStats:
 
 class TransitionRunner:
     def __init__(self, worker_id: str, engine_loop: EngineLoop, instance: PooledInstance, svc: TransferService,
-                 streams: StreamRegistry[TokenEvent], timeout_s: float = 60.0) -> None:
+                 streams: StreamRegistry[TokenEvent], timeout_s: float = 60.0,
+                 handover: StreamHandover | None = None) -> None:
         self.worker_id = worker_id
         self.engine_loop = engine_loop
         self.instance = instance
@@ -138,7 +139,7 @@ class TransitionRunner:
         self.epoch = 0
         self.prepared: _Prepared | None = None
         self.membership = GroupMembership(worker_id, engine_loop, instance, svc, timeout_s)
-        self.handover = StreamHandover(streams, engine_loop, timeout_s)
+        self.handover = handover or StreamHandover(streams, engine_loop, timeout_s)  # the worker's: one per process
         self.peers = PeerLinks(worker_id, svc)
         self.log = get_logger()
         self.loop: asyncio.AbstractEventLoop | None = None

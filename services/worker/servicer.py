@@ -7,6 +7,7 @@ and the asyncio event loop, so RPCs and the stats stream stay responsive while a
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import os
 import signal
@@ -15,9 +16,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from kunserve.shared.config import TensorParallelSection
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest, TokenEvent
 from kunserve.shared.engine.loop import EngineStopped
 from kunserve.shared.engine.pooled import LayerChange, PooledInstance
+from kunserve.shared.engine.tensor_parallel import TPFollower
 from kunserve.shared.epochs import epoch_error
 from kunserve.shared.log import get_logger
 from kunserve.shared.memory.errors import MemoryPoolError
@@ -31,8 +34,9 @@ from kunserve.shared.wire.requests import finish_to_pb, logprobs_to_pb, sampling
 from kunserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from .cluster_membership import ClusterMembership, MembershipRefused
-from .handover import Moved
+from .handover import Moved, StreamHandover
 from .relayout import TransitionRefused, TransitionRunner
+from .tp_in_place import InPlaceTP
 from .tp_member import TPArgs, TPMembership, check_model_degree, pick_free_port
 
 DRAIN_POLL_S = 0.05
@@ -56,11 +60,12 @@ class WorkerIdentity:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, identity: WorkerIdentity, engine_loop, instance: PooledInstance,
                  transfer=None, transition_timeout_s: float = 60.0, tp: TPMembership | None = None,
-                 whole_model: ModelSource | None = None) -> None:
+                 whole_model: ModelSource | None = None, tp_mode: str = "cold") -> None:
         self.identity = identity
         self.tp = tp  # its tensor-parallel instance (None: a whole instance of its own)
         self.whole_model = whole_model  # the unsharded model (None: not known; a re-form's degree is checked at build)
         self.reform: TPArgs | None = None  # set by ReformTP: the membership to re-execute with once stopped
+        self.tp_mode = tp_mode  # memory_manager.tp_mode: how this cluster's TP changes happen unless asked otherwise
         self.engine = engine_loop  # EngineLoop
         self.instance = instance
         self._remap_lock = asyncio.Lock()  # one drop / restore at a time
@@ -70,6 +75,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # Cluster layout transitions (drop into / restore from pipeline groups); needs the transfer service.
         self.transitions: TransitionRunner | None = None
         self._transition_timeout_s = transition_timeout_s
+        # Streams of requests that move between workers (a transition's, an in-place TP change's): one per process.
+        self.handover = StreamHandover(self.streams, engine_loop, transition_timeout_s)
+        self.in_place = InPlaceTP(identity.worker_id, engine_loop, instance, self.handover, lambda rid: rid in self.streams)
+        self.reform_in_place = False  # `reform` is an in-place change under way (no re-exec follows)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the service's, for a follower thread's SPLIT
+        self._context = contextvars.copy_context()
         if transfer is not None:
             self.attach_transfer(transfer)
         # Runtime membership (standby, draining); None: always in service (a worker run without a memory manager)
@@ -82,7 +93,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def attach_transfer(self, transfer) -> None:
         """Take part in layout transitions over `transfer` (at start, or once its port came free)."""
         self.transitions = TransitionRunner(self.identity.worker_id, self.engine, self.instance, transfer, self.streams,
-                                            self._transition_timeout_s)
+                                            self._transition_timeout_s, self.handover)
 
     # -- layout state ---------------------------------------------------------------------------------
     @property
@@ -106,7 +117,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         if request.attach:
-            queue = self.transitions.handover.attach(rid) if self.transitions is not None else None
+            queue = self.handover.attach(rid)
             if queue is None:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: no request {rid!r} moved to worker "
                                     f"{self.identity.worker_id} (or it was attached already)")
@@ -264,9 +275,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self._kv_by_degree is None:
             pool = self.instance.pool
             cfg = self.whole_model.config if self.whole_model is not None else self.instance.cfg
-            self._kv_by_degree = kv_tokens_by_degree(cfg, num_pages=pool.num_pages, page_size=pool.page_size,
-                                                     block_size=self.instance.layout.block_size,
-                                                     device_type=pool.device.type)
+            by_degree = kv_tokens_by_degree(cfg, num_pages=pool.num_pages, page_size=pool.page_size,
+                                            block_size=self.instance.layout.block_size, device_type=pool.device.type)
+            if self.tp_mode == "in-place":  # the pool keeps the whole weights: d members hold d times the KV heads
+                by_degree = {d: by_degree.get(1, 0) * d for d in by_degree}
+            self._kv_by_degree = by_degree
         return self._kv_by_degree
 
     # -- memory pool --------------------------------------------------------------------------------------
@@ -509,6 +522,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if members == self._current_tp():
             return worker_pb2.ReformTPReply(worker_id=wid, reforming=False, port=self.tp.port if self.tp else 0,
                                             host=self.tp.host if self.tp else "")
+        if request.in_place:
+            return await self._reform_in_place(new, context)
         await self._free_for_reform(context, len(members) > 1)
         self.reform = new
         self.log.info("tensor_parallel_reform", members=list(members), rank=new.rank, port=port, host=host)
@@ -518,6 +533,104 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finished, handed_over = await asyncio.shield(self._reforming)
         return worker_pb2.ReformTPReply(worker_id=wid, reforming=True, port=port, host=host, finished=finished,
                                         handed_over=handed_over)
+
+    # -- in-place tensor-parallel changes (tp_in_place.py) -----------------------------------------------------
+    async def _reform_in_place(self, new: TPArgs, context) -> worker_pb2.ReformTPReply:
+        """Start an in-place scale-up (this worker joins `new`) or split (`new` is this worker alone; asked of rank 0,
+        which takes the followers with it) and answer at once: the memory manager then waits for the new layout."""
+        wid = self.identity.worker_id
+        joining = len(new.members) > 1
+        await self._free_for_reform(context, joining)
+        tp = self.tp
+        if not joining and tp is not None:
+            if not tp.in_place:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker {wid} is {tp.describe()}, formed cold: "
+                                    "its pool holds its shard only, so it splits cold (kunctl tp-split --cold)")
+            if not tp.is_leader:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"worker {wid} is {tp.describe()}: an in-place "
+                                    f"split is asked of rank 0 ({tp.members[0]}), which takes the followers with it")
+        if self.transitioning:
+            await context.abort(grpc.StatusCode.ABORTED, f"worker {wid} is in a drop / restore transition")
+        self.reform, self.reform_in_place = new, True
+        self.log.info("tensor_parallel_reform", members=list(new.members), rank=new.rank, port=new.port, host=new.host,
+                      in_place=True)
+        self._reforming = asyncio.ensure_future(self._merge_in_place(new) if joining else self._split_in_place())
+        return worker_pb2.ReformTPReply(worker_id=wid, reforming=True, port=new.port, host=new.host)
+
+    async def _merge_in_place(self, new: TPArgs) -> None:
+        defaults = TensorParallelSection()
+        host = new.host or self.identity.address.rsplit(":", 1)[0]
+        membership = TPMembership(-1, new.rank, new.members, host, new.port, defaults.timeout_s,
+                                  new.rendezvous_timeout_s or defaults.rendezvous_timeout_s)
+        self._loop = asyncio.get_running_loop()
+        self._context = contextvars.copy_context()  # the service's log context, for the split a follower thread starts
+        try:
+            report = await self.in_place.merge(membership)
+        except (ValueError, RuntimeError, OSError) as exc:  # refused, healed (InstanceBroken) or never met
+            self.log.error("tensor_parallel_in_place_failed", op="scale-up", members=list(new.members),
+                           error=f"{type(exc).__name__}: {exc}", now="whole instance")
+            self._end_reform()
+            return
+        self.tp = membership
+        if membership.follower is not None:
+            membership.follower.on_end = self._follower_ended
+        membership.start(self.engine)
+        self._end_reform()
+        self.log.info("tensor_parallel_in_place_done", op="scale-up", role=membership.describe(),
+                      requests=report.requests, moved=report.moved_requests, sent_subblocks=report.sent_subblocks,
+                      staging_bytes=report.staging_bytes, kv_blocks=report.blocks_after, ms=round(report.seconds * 1e3, 1))
+
+    async def _split_in_place(self) -> None:
+        tp = self.tp
+        assert tp is not None and tp.leader is not None
+        try:
+            report = await self.in_place.split(tp)
+        except ValueError as exc:  # refused on every member, nothing changed: the instance serves on
+            self.log.warning("tensor_parallel_in_place_refused", op="split", error=str(exc))
+            tp.leader.split_sent = False
+            tp.start(self.engine)
+            self._end_reform()
+            return
+        except RuntimeError as exc:  # healed (InstanceBroken): whole, every request re-prefills here
+            self.log.error("tensor_parallel_in_place_failed", op="split", error=str(exc), now="whole instance")
+            report = None
+        self.tp = None
+        self._end_reform()
+        if report is not None:
+            self.log.info("tensor_parallel_in_place_done", op="split", requests=report.requests,
+                          moved=report.moved_requests, ms=round(report.seconds * 1e3, 1))
+
+    def _follower_ended(self, follower: TPFollower) -> None:
+        """A follower's loop ended (its thread): on SPLIT this worker joins rank 0's in-place split."""
+        if follower.split and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._start_follower_split, context=self._context)
+
+    def _start_follower_split(self) -> None:
+        self.reform, self.reform_in_place = TPArgs((self.identity.worker_id,)), True
+        self._reforming = asyncio.ensure_future(self._follower_split_in_place())
+
+    async def _follower_split_in_place(self) -> None:
+        tp = self.tp
+        assert tp is not None
+        try:
+            report = await self.in_place.follower_split(tp)
+        except ValueError as exc:  # refused: follow rank 0 again
+            self.log.warning("tensor_parallel_in_place_refused", op="split", error=str(exc))
+            assert tp.group is not None
+            tp.follower = TPFollower(tp.group, self.engine.engine, self.engine.num_threads, on_end=self._follower_ended)
+            tp.start(self.engine)
+            self._end_reform()
+            return
+        except RuntimeError as exc:  # healed (InstanceBroken)
+            self.log.error("tensor_parallel_in_place_failed", op="split", error=str(exc), now="whole instance")
+            report = None
+        self.tp = None
+        self._end_reform()
+        if report is not None:
+            self.log.info("tensor_parallel_in_place_done", op="split", requests=report.requests, ms=round(report.seconds * 1e3, 1))
+
+    def _end_reform(self) -> None:
+        self.reform, self.reform_in_place = None, False
 
     async def _drain_then_reexec(self, timeout_s: float) -> tuple[int, int]:
         """Hand the running requests over, then stop the service (SIGTERM: main() re-executes with `reform`) even

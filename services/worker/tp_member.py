@@ -58,6 +58,7 @@ class TPMembership:
     leader: TPLeader | None = None
     follower: TPFollower | None = None
     exited_broken: bool = False
+    in_place: bool = False  # formed in place: the pool still holds the whole model, so it may split in place
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -152,9 +153,10 @@ class TPMembership:
                 return
 
     def cancel_tasks(self) -> None:
-        """At shutdown, on the event loop: no more heartbeats or watching."""
+        """At shutdown or before an in-place split, on the event loop: no more heartbeats or watching."""
         for t in self._tasks:
             t.cancel()
+        self._tasks.clear()
 
     def close(self, engine_loop: EngineLoop) -> None:
         """At shutdown, after the engine loop stopped (off the event loop: it may wait): rank 0 ends the followers'

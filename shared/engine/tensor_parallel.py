@@ -14,7 +14,8 @@ default group: a process may later leave one instance and join another): gloo fo
 reductions on CPU; on CUDA the reductions go over NCCL. Every message has rank 0 as its source: a header
 int64[2] = (kind, payload bytes), then for a STEP the payload. While rank 0 is idle it sends a BEAT whenever no
 message went out for `beat_every_s` (`TPLeader.heartbeat`, driven by the worker), so a follower's wait for the next
-message is bounded by the group's timeout without ever hitting it; STOP ends the followers cleanly.
+message is bounded by the group's timeout without ever hitting it; STOP ends the followers cleanly, and SPLIT ends
+their loops with the group kept open for an in-place scale-down (tp_transform.py) that every member then joins.
 
 A collective that fails (a peer's connection closed: it died) or times out (a peer hangs) breaks the instance: rank
 0's engine stops with InstanceBroken (every request ends as lost and resumes elsewhere), a follower's loop ends, and
@@ -37,8 +38,8 @@ from kunserve.shared.engine.engine import Engine, InstanceBroken
 from kunserve.shared.engine.stage_wire import StageBatch
 from kunserve.shared.log import get_logger
 
-STEP, BEAT, STOP = 1, 2, 3
-_KINDS = {STEP: "step", BEAT: "beat", STOP: "stop"}
+STEP, BEAT, STOP, SPLIT = 1, 2, 3, 4
+_KINDS = {STEP: "step", BEAT: "beat", STOP: "stop", SPLIT: "split"}
 
 
 class TPGroup:
@@ -208,6 +209,7 @@ class TPLeader:
         self.beat_every_s = beat_every_s if beat_every_s is not None else group.timeout_s / 4
         self._last_sent = time.monotonic()
         self.steps = 0
+        self.split_sent = False
 
     def attach(self, engine: Engine) -> None:
         engine.step_plan = self.send_step
@@ -221,8 +223,9 @@ class TPLeader:
         self.steps += 1
 
     def heartbeat(self) -> bool:
-        """Send a BEAT if nothing went out for beat_every_s (engine thread: EngineLoop.call). Returns whether it sent."""
-        if time.monotonic() - self._last_sent < self.beat_every_s:
+        """Send a BEAT if nothing went out for beat_every_s (engine thread: EngineLoop.call). Returns whether it sent
+        (never once the followers were told to split: they no longer listen)."""
+        if self.split_sent or time.monotonic() - self._last_sent < self.beat_every_s:
             return False
         self.group.send(BEAT)
         self._last_sent = time.monotonic()
@@ -230,11 +233,17 @@ class TPLeader:
 
     def stop(self) -> None:
         """End the followers' loops (once the engine thread is done: nothing else may use the group then)."""
-        if self.group.broken is None:
+        if self.group.broken is None and not self.split_sent:
             try:
                 self.group.send(STOP)
             except InstanceBroken:
                 pass  # a follower already gone: nothing to stop
+
+    def split(self) -> None:
+        """End the followers' loops for an in-place scale-down (engine thread): each then joins `scale_down` over the
+        same group. InstanceBroken when a follower is gone."""
+        self.split_sent = True
+        self.group.send(SPLIT)
 
 
 class TPFollower:
@@ -250,6 +259,7 @@ class TPFollower:
         self.on_end = on_end
         self.steps = 0
         self.stopped = False  # rank 0 said STOP
+        self.split = False  # rank 0 said SPLIT: the members change parallelism in place next
         self.error: str | None = None
         self._thread: threading.Thread | None = None
         engine.runner.reduce = group.reduce
@@ -266,6 +276,9 @@ class TPFollower:
                 kind, payload = self.group.recv()
                 if kind == STOP:
                     self.stopped = True
+                    return
+                if kind == SPLIT:
+                    self.split = True
                     return
                 if kind == STEP:
                     assert payload is not None

@@ -39,8 +39,9 @@ anything changed: the members gather their checks first (`_agree`). A member tha
 group's collective fails or times out) or cannot build its runner before the vote leaves the KV untrusted: every
 member that sees it heals (`InstanceBroken` says so), reading its blocks at all heads again and becoming a whole
 instance whose requests re-prefill (a recompute preemption: the same greedy tokens) — after a failed scale-up each
-member keeps its own requests, after a failed scale-down each keeps the share the assignment gave it; a member that
-died takes its own with it (in a cluster their streams end and the dispatcher resumes them elsewhere).
+member keeps its own requests, after a failed scale-down rank 0 keeps all of them (where their streams are; each fits
+a whole instance, or the assignment would have refused); a member that died takes its own with it (in a cluster their
+streams end and the dispatcher resumes them elsewhere).
 
 Weights are the caller's: the shard each member keeps for a scale-up (`tp_shard.shard_weights`), the whole model's
 for a scale-down. **What differs from Gyges.** The transformation runs between two iterations of the instance
@@ -53,7 +54,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -85,6 +86,7 @@ class TransformReport:
     blocks_before: int
     blocks_after: int
     seconds: float
+    moved: dict[str, int] = field(default_factory=dict)  # request id -> its new owner's rank, for those whose owner changed
 
 
 def run_moves(group: TPGroup, engine: Engine, phases: Sequence[Sequence[SubBlockMove]]) -> tuple[int, int, int]:
@@ -218,9 +220,9 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
         owned.sort(key=lambda s: s.request.arrival_time)
     assert runner is not None
     engine.change_shard(runner, owned, tensor_parallel=True)
-    moved = sum(len(snaps) for m, snaps in enumerate(everyone) if m != 0)
-    return TransformReport("scale-up", me, degree, len(owned), moved, sent, received, peak, blocks_before,
-                           engine.kv.num_blocks, time.monotonic() - t0)
+    moved = {s.request.request_id: 0 for m, snaps in enumerate(everyone) if m != 0 for s in snaps}
+    return TransformReport("scale-up", me, degree, len(owned), len(moved), sent, received, peak, blocks_before,
+                           engine.kv.num_blocks, time.monotonic() - t0, moved)
 
 
 def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: Weights) -> TransformReport:
@@ -259,16 +261,18 @@ def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: We
             why = exc
         if not _vote(group, ready):
             raise RuntimeError("a member could not build its runner" if ready else f"its runner could not be built: {why}")
-    except Exception as exc:  # a member died, hung or failed mid-move: become whole with this member's share, recomputed
+    except Exception as exc:  # a member died, hung or failed mid-move: whole again, rank 0 with every request recomputed
+        kept = [_recomputed(s) for s in snaps] if me == 0 else []  # where their streams are: nothing moved yet
         engine.kv.merge_kv_heads(degree)
-        engine.change_shard(runner if ready and runner is not None else engine.shard_runner(whole_cfg, whole),
-                            [_recomputed(s) for s in mine], tensor_parallel=False)
-        raise _healed("scale-down", me, degree, len(mine), exc) from exc
+        engine.change_shard(runner if ready and runner is not None else engine.shard_runner(whole_cfg, whole), kept,
+                            tensor_parallel=False)
+        raise _healed("scale-down", me, degree, len(kept), exc) from exc
     engine.kv.merge_kv_heads(degree)
     owned = [SeqSnapshot(s.request, list(s.generated), s.num_computed, [plan.block_maps[me][b] for b in s.blocks],
                          s.generator_state, s.num_preemptions) for s in mine]
     assert runner is not None
     engine.change_shard(runner, owned, tensor_parallel=False)
-    moved = sum(1 for s in snaps if assignment[s.request.request_id] != 0)
-    return TransformReport("scale-down", me, degree, len(owned), moved, sent, received, peak, blocks_before,
-                           engine.kv.num_blocks, time.monotonic() - t0)
+    moved = {s.request.request_id: assignment[s.request.request_id] for s in snaps
+             if assignment[s.request.request_id] != 0}
+    return TransformReport("scale-down", me, degree, len(owned), len(moved), sent, received, peak, blocks_before,
+                           engine.kv.num_blocks, time.monotonic() - t0, moved)

@@ -1,0 +1,165 @@
+"""A worker's side of an in-place change of tensor parallelism (README "Elastic tensor parallelism (Gyges)"): the
+memory manager's `ReformTP{in_place}` makes co-located whole workers one TP instance, and back, without stopping them;
+the requests they run keep their KV (shared/engine/tp_transform.py moves it) and their streams follow them.
+
+Scale-up (`merge`, every member at once, each answering its ReformTP at once and going on here):
+
+1. this rank's shard of the model is loaded and the members meet (the rendezvous on rank 0's host) while the engine
+   goes on serving the requests it has (new ones are refused with the re-forming trailer: the dispatcher waits);
+2. on the engine thread, between two iterations: `scale_up`; rank 0 opens buffered streams for the requests it
+   adopted (StreamHandover.receive) before the members pass a barrier, and then attaches as the leader;
+3. back on the event loop a follower ends its requests' streams with `moved_to` rank 0 (the dispatcher re-attaches
+   there and relays on from the next token) and starts following rank 0's steps.
+
+Scale-down (`split`): rank 0 sends SPLIT on the engine thread (the followers' loops end and each joins from its own
+engine thread: `follower_split`), runs `scale_down`; each member opens the streams of the requests it receives before
+the barrier, and rank 0 then ends the streams of those that left with `moved_to` their new worker. Every member is a
+whole instance again.
+
+Failures: refused (ValueError: a check failed on some member) or healed (InstanceBroken: a member died or hung mid-move,
+every member whole again with its own requests re-prefilling) leave every stream where it was and the worker whole.
+A failure after the commit breaks the new instance: the membership's watch then ends the worker with EXIT_BROKEN
+(a supervisor starts it again as configured) and its streams end, so the dispatcher resumes their requests elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from kunserve.shared.engine.engine import Engine
+from kunserve.shared.engine.loop import EngineLoop
+from kunserve.shared.engine.pooled import PooledInstance
+from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader
+from kunserve.shared.engine.tp_transform import TransformReport, scale_down, scale_up
+from kunserve.shared.log import get_logger
+from kunserve.shared.model.tp_shard import sharded_source
+
+from .handover import StreamHandover
+from .tp_member import TPMembership
+
+RECEIVE_TIMEOUT_S = 30.0  # the engine thread waits this long for the event loop to open the received streams
+
+
+class InPlaceTP:
+    """The in-place scale-up and scale-down of one worker (module docstring). Its instance's pool keeps the whole
+    model's weights throughout: a member computes on a copy of its shard (loaded at the scale-up), so a split needs
+    no weight moved."""
+
+    def __init__(self, worker_id: str, engine_loop: EngineLoop, instance: PooledInstance, handover: StreamHandover,
+                 owns_stream: Callable[[str], bool]) -> None:
+        self.worker_id = worker_id
+        self.engine_loop = engine_loop
+        self.instance = instance
+        self.handover = handover
+        self.owns_stream = owns_stream
+        self.log = get_logger()
+
+    # -- scale-up -------------------------------------------------------------------------------------------
+    async def merge(self, membership: TPMembership) -> TransformReport:
+        """This worker's part of a scale-up into `membership` (its group not formed yet). On success the membership
+        has its group and role (not started: the caller starts it); ValueError / InstanceBroken / RuntimeError leave
+        the worker whole (see the module docstring)."""
+        rank, degree = membership.rank, membership.degree
+        whole = self.instance.source
+        shard_source = sharded_source(whole, rank, degree)
+        shard = await asyncio.to_thread(shard_source.load_weights)
+        group = await asyncio.to_thread(TPGroup, rank, degree, membership.host, membership.port,
+                                        timeout_s=membership.timeout_s,
+                                        rendezvous_timeout_s=membership.rendezvous_timeout_s,
+                                        device=self.instance.device)
+        loop = asyncio.get_running_loop()
+        committed: list[TransformReport] = []
+
+        def on_engine(engine: Engine) -> TransformReport:
+            report = scale_up(engine, group, shard_source.config, shard)
+            committed.append(report)
+            if rank == 0:  # before anything else can fail: a broken group then stops the engine (InstanceBroken)
+                membership.leader = TPLeader(group)
+                membership.leader.attach(engine)
+                self._receive_from_engine_thread(report.moved, loop)
+            group.barrier()  # rank 0's buffered streams are open before any follower says moved_to
+            return report
+
+        try:
+            report = await asyncio.wrap_future(self.engine_loop.call(on_engine))
+        except BaseException as exc:
+            if not committed:
+                group.close()
+                raise
+            # The change committed and something after it failed: the new instance is broken. Its watch ends this
+            # worker (EXIT_BROKEN) and its streams end with it, so the dispatcher resumes their requests elsewhere.
+            group.broken = group.broken or f"in-place scale-up failed after its commit: {type(exc).__name__}: {exc}"
+            self.log.error("tensor_parallel_in_place_broken", error=group.broken)
+            report = committed[0]
+        membership.group = group
+        membership.whole = whole
+        membership.in_place = True
+        if rank > 0:
+            if group.broken is None:
+                self.handover.hand_over({rid: membership.members[0] for rid in report.moved if self.owns_stream(rid)})
+            membership.follower = TPFollower(group, self.engine_loop.engine, self.engine_loop.num_threads)
+        return report
+
+    # -- scale-down -----------------------------------------------------------------------------------------
+    async def split(self, membership: TPMembership) -> TransformReport:
+        """Rank 0's part of splitting its in-place instance back into whole ones: SPLIT to the followers, then
+        `scale_down` with them; the streams of the requests that left end with moved_to their new worker.
+        The membership's tasks are cancelled; its group is closed unless the split was refused (ValueError)."""
+        assert membership.leader is not None and membership.group is not None
+        leader, group = membership.leader, membership.group
+        membership.cancel_tasks()
+
+        def on_engine(engine: Engine) -> TransformReport:
+            leader.split()
+            report = scale_down(engine, group, self.instance.cfg, self.instance.layout.weights())
+            group.barrier()  # every follower's buffered streams are open before rank 0 says moved_to
+            return report
+
+        try:
+            report = await asyncio.wrap_future(self.engine_loop.call(on_engine))
+        except ValueError:
+            raise  # refused on every member, nothing changed: the instance goes on over the same group
+        except BaseException:
+            group.close()
+            raise
+        group.close()
+        self.handover.hand_over({rid: membership.members[owner] for rid, owner in report.moved.items()
+                                 if self.owns_stream(rid)})
+        return report
+
+    async def follower_split(self, membership: TPMembership) -> TransformReport:
+        """A follower's part of the split rank 0 announced (its loop ended on SPLIT)."""
+        assert membership.group is not None
+        group, rank = membership.group, membership.rank
+        membership.cancel_tasks()
+        loop = asyncio.get_running_loop()
+
+        def on_engine(engine: Engine) -> TransformReport:
+            report = scale_down(engine, group, self.instance.cfg, self.instance.layout.weights())
+            self._receive_from_engine_thread({rid: o for rid, o in report.moved.items() if o == rank}, loop)
+            group.barrier()
+            return report
+
+        try:
+            report = await asyncio.wrap_future(self.engine_loop.call(on_engine))
+        except ValueError:
+            raise  # refused on every member: it follows rank 0 again over the same group
+        except BaseException:
+            group.close()
+            raise
+        group.close()
+        return report
+
+    # -- streams --------------------------------------------------------------------------------------------
+    def _receive_from_engine_thread(self, moved: dict[str, int], loop: asyncio.AbstractEventLoop) -> None:
+        """Open buffered streams for the requests that arrive here (on the event loop, waited for from the engine
+        thread: the engine must not emit their next token before a stream takes it)."""
+        ids = list(moved)
+        if not ids:
+            return
+
+        async def receive() -> None:
+            self.handover.receive(ids)
+
+        asyncio.run_coroutine_threadsafe(receive(), loop).result(RECEIVE_TIMEOUT_S)
