@@ -149,6 +149,10 @@ class TPPlacer:
     def __init__(self, reformer: TPReformer, failure_cooldown_s: float | None = None, idle_split_s: float = 0.0) -> None:
         self.reformer = reformer
         self.idle_split = IdleSplitPolicy(idle_split_s)
+        # In place a split costs the running requests nothing (they keep their KV), so an instance is split as
+        # Algorithm 2 does, busy or not, once placement sent it nothing for idle_split_s: rank 0 refuses while its
+        # requests would not fit the whole instances at their whole life, and it is asked again after as long.
+        self.split_busy = reformer.mode == "in-place"
         self._lock = asyncio.Lock()
         self.log = get_logger()
         # members -> when a scale-up of exactly them last failed: not tried again for failure_cooldown_s, or every
@@ -239,13 +243,17 @@ class TPPlacer:
         stats = await ask_reachable(cluster, cluster.worker_ids,
                                     lambda stub: stub.GetStats(common_pb2.Empty(), timeout=INFO_TIMEOUT_S))
         # rank 0 speaks for its instance; whole instances and followers are not split
-        seen = [(w, len(st.tp_members), st.num_running == 0 and st.num_waiting == 0)
+        seen = [(w, len(st.tp_members), self.split_busy or (st.num_running == 0 and st.num_waiting == 0))
                 for w, st in stats.items() if len(st.tp_members) >= 2 and st.tp_members[0] == w]
         async with self._lock:  # no placement decides on an instance while it splits
             due = self.idle_split.observe(time.monotonic(), seen)
             for inst in due:
                 self.log.info("tp_idle_split", instance=inst, idle_s=self.idle_split.idle_s)
-                report = await self.reformer.split(memory_manager_pb2.SplitTPRequest(worker_id=inst))
+                try:
+                    report = await self.reformer.split(memory_manager_pb2.SplitTPRequest(worker_id=inst))
+                except OrchestrationError as exc:  # refused (its requests do not fit yet) or deferred: next spell
+                    self.log.info("tp_idle_split_deferred", instance=inst, code=exc.code, reason=str(exc))
+                    continue
                 if not report.completed:
                     self.log.warning("tp_idle_split_failed", instance=inst, error=report.error)
         return due

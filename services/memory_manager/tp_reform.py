@@ -1,5 +1,11 @@
-"""Elastic tensor parallelism by cold re-form (README "Elastic tensor parallelism (Gyges)"): the memory manager turns
-co-located whole instances into one TP2/TP4 instance (`transform`) and splits one back (`split`).
+"""Elastic tensor parallelism (README "Elastic tensor parallelism (Gyges)"): the memory manager turns co-located whole
+instances into one TP2/TP4 instance (`transform`) and splits one back (`split`), in place or by cold re-form (`mode`,
+default memory_manager.tp_mode).
+
+In place, the workers change their running processes (services/worker/tp_in_place.py; the requests keep their KV):
+ReformTP{in_place} to rank 0 (it answers with the rendezvous port at once), then to the followers, then the same wait
+as below; a split is asked of rank 0 alone (it takes the followers with it) and falls back to the cold split for an
+instance formed cold or one that does not end in time. Cold:
 
     transform: check the group (known, reachable, free, on one host, a degree the model divides by)
                -> ReformTP to rank 0 (it picks the rendezvous port on its host and answers it)
@@ -12,7 +18,7 @@ co-located whole instances into one TP2/TP4 instance (`transform`) and splits on
 
 A re-form that does not finish in time, or that a member refuses or fails, heals: every member is re-formed as a whole
 instance (a member still waiting at the rendezvous gives up after the same timeout and comes back whole by itself),
-and the report says what failed. This is not Gyges' in-place transformation (§4.3): no KV survives the re-form (the
+and the report says what failed. A cold re-form is not Gyges' in-place transformation (§4.3): no KV survives it (the
 requests re-prefill on the new instance) and every member reloads its weights.
 
 It runs under the orchestrator's transition lock, so a re-form and a drop / restore never overlap (ABORTED). The

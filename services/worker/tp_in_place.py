@@ -31,7 +31,7 @@ from kunserve.shared.engine.engine import Engine
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader
-from kunserve.shared.engine.tp_transform import TransformReport, scale_down, scale_up
+from kunserve.shared.engine.tp_transform import TransformReport, check_split, scale_down, scale_up
 from kunserve.shared.log import get_logger
 from kunserve.shared.model.tp_shard import sharded_source
 
@@ -111,6 +111,7 @@ class InPlaceTP:
         membership.cancel_tasks()
 
         def on_engine(engine: Engine) -> TransformReport:
+            check_split(engine, membership.degree)  # refused here, the followers never stop following
             leader.split()
             report = scale_down(engine, group, self.instance.cfg, self.instance.layout.weights())
             group.barrier()  # every follower's buffered streams are open before rank 0 says moved_to

@@ -23,8 +23,9 @@ being formed (or split), between two iterations of its engine (nothing in flight
 **Scale-down** (`scale_down`, the inverse):
 
 1. rank 0 snapshots the instance's requests and hands them to every member (one all-gather);
-2. every member computes the same assignment of requests to members (`assign_requests`: each to the member with the
-   most free whole blocks; refused, with nothing changed, when they do not fit) and the same `plan_head_gather`
+2. every member computes the same assignment of requests to members (`assign_requests` over each request's blocks
+   at its whole life, prompt + max_tokens: each to the member with the most free whole blocks; refused, with nothing
+   changed, when they do not fit) and the same `plan_head_gather`
    (each used merged block gets a whole block on its request's member; a block that member's own heads already
    occupy in place is kept there);
 3. the moves run layer by layer (`run_moves`): every source of a layer is read before any destination is written,
@@ -60,6 +61,7 @@ import torch
 
 from kunserve.shared.engine.api import SeqSnapshot
 from kunserve.shared.engine.engine import Engine, InstanceBroken
+from kunserve.shared.engine.kv_blocks import blocks_needed
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.tensor_parallel import TPGroup
 from kunserve.shared.memory import kv_head_split, kv_layout
@@ -127,6 +129,31 @@ def run_moves(group: TPGroup, engine: Engine, phases: Sequence[Sequence[SubBlock
 
 def _ids(slots: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(slots, dtype=torch.long, device=device)
+
+
+def whole_life_blocks(s: SeqSnapshot, block_size: int) -> int:
+    """The blocks a request holds at its longest (prompt + max_tokens, the last sampled token needing no KV), or now
+    when it already holds more."""
+    return max(len(s.blocks), blocks_needed(len(s.request.prompt_token_ids) + s.request.sampling.max_tokens - 1,
+                                            block_size))
+
+
+def split_assignment(snaps: Sequence[SeqSnapshot], degree: int, whole_blocks: int, block_size: int) -> dict[str, int]:
+    """Request id -> the member that keeps it after a split into `degree` whole instances of `whole_blocks` blocks,
+    each request sized at its whole life (Algorithm 2 splits once the requests fit the smaller instances: one that
+    would outgrow its whole instance must not be split onto one). ValueError when they do not fit."""
+    try:
+        return kv_head_split.assign_requests({s.request.request_id: whole_life_blocks(s, block_size) for s in snaps},
+                                             degree, whole_blocks)
+    except ValueError as exc:
+        raise ValueError(f"the TP{degree} instance's requests do not fit {degree} whole instances of {whole_blocks} "
+                         f"blocks at their whole life: {exc}") from None
+
+
+def check_split(engine: Engine, degree: int) -> None:
+    """ValueError when this TP instance's requests (rank 0's engine) would not fit `degree` whole instances: what
+    `scale_down` would refuse, asked before the followers are told to split (engine thread)."""
+    split_assignment(engine.snapshot(), degree, engine.kv.num_blocks // degree, engine.block_size)
 
 
 def _recomputed(s: SeqSnapshot) -> SeqSnapshot:
@@ -242,12 +269,7 @@ def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: We
     now = time.monotonic()  # after a collective: every member's clock reads (nearly) the same instant
     payload = snapshots_to_bytes(engine.snapshot(), now) if me == 0 else b""
     snaps = snapshots_from_bytes(group.all_gather_bytes(payload)[0], now)
-    try:
-        assignment = kv_head_split.assign_requests({s.request.request_id: len(s.blocks) for s in snaps}, degree,
-                                                   whole_blocks)
-    except ValueError as exc:
-        raise ValueError(f"the TP{degree} instance's requests do not fit {degree} whole instances of {whole_blocks} "
-                         f"blocks: {exc}") from None
+    assignment = split_assignment(snaps, degree, whole_blocks, engine.block_size)
     owners = {b: assignment[s.request.request_id] for s in snaps for b in s.blocks}
     plan = kv_head_split.plan_head_gather(owners, whole_blocks, whole_cfg.num_kv_heads, degree, blocks_before)
     mine = [s for s in snaps if assignment[s.request.request_id] == me]

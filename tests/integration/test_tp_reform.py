@@ -4,11 +4,13 @@ Each worker's pool holds the whole model with KV for fewer tokens than a long re
 room for it: the long request is refused (INVALID_ARGUMENT) by the whole instances, served after `kunctl tp` with the
 whole model's greedy tokens, and after `kunctl tp-split` both workers serve alone again with a short request's tokens
 unchanged. The workers re-execute in place (same pids, no pool memory carried across the exec) and stop by themselves.
+Then the same workers change in place (`--in-place`): requests decoding through a merge and a split keep their KV.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -141,6 +143,113 @@ def test_a_long_request_is_served_after_a_reform_and_the_split_restores_whole_in
     assert {w: cluster.child(w).proc.pid for w in MEMBERS} == pids
     assert all(cluster.child(w).exit_code() is None for w in MEMBERS)
     assert {w: memfds(pid) for w, pid in pids.items()} == pool_fds
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16]]
+BUDGET = 1270  # each request's whole life fits a whole instance (1280 KV tokens); cancelled long before it ends
+AFTER = 16  # tokens each request decodes after an in-place change before it is cancelled
+
+
+def prompt_tokens(cluster) -> int:
+    """Prompt tokens the workers have computed so far (a request that re-prefilled would count its prompt again)."""
+
+    async def stats():
+        out = 0
+        for w in MEMBERS:
+            async with internal_channel(cluster, cluster.cfg.worker(w).address) as ch:
+                out += (await worker_pb2_grpc.WorkerStub(ch).GetStats(common_pb2.Empty(), timeout=10)).prompt_tokens_total
+        return out
+
+    return run(stats())
+
+
+def moves(cluster, tag: str) -> list[tuple[str, str]]:
+    """(from, to) of every move of a `tag`-* request the dispatcher logged (it re-attached the stream there)."""
+    out = []
+    for line in (cluster.run_dir / "dispatcher.log").read_text().splitlines():
+        if '"request_moved"' in line:
+            ev = json.loads(line)
+            if ev["request_id"].startswith(f"{tag}-"):
+                out.append((ev["from_worker"], ev["to_worker"]))
+    return out
+
+
+def in_place_during(cluster, tag: str, *args) -> tuple[dict, list[client.GenerationResult]]:
+    """Two requests decode; once each has a token, kunctl (imports done beforehand) changes the parallelism in place;
+    once each has decoded AFTER more tokens, both are cancelled. The report and the results (the tokens each had)."""
+    argv = kunctl_argv(cluster, *args, "--json")
+
+    async def scenario():
+        progress = [0 for _ in PROMPTS]
+        proc = await asyncio.create_subprocess_exec(
+            argv[0], "-c", READY_KUNCTL, *argv[3:], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        async with client.insecure_channel(cluster.cfg.dispatcher.address) as ch:
+
+            async def one(i: int):
+                def seen(ev, i=i):
+                    progress[i] += ev.token_id >= 0
+
+                req = client.make_request(PROMPTS[i], request_id=f"{tag}-{i}", max_tokens=BUDGET, ignore_eos=True)
+                return await client.generate(ch, req, timeout=240, on_event=seen)
+
+            running = asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+
+            async def until(n: list[int]) -> None:
+                while any(p < k for p, k in zip(progress, n, strict=True)):
+                    assert not running.done(), f"the requests ended before the change: {progress}"
+                    await asyncio.sleep(0.02)
+
+            try:
+                await asyncio.wait_for(until([1] * len(PROMPTS)), 120)
+                out, err = await proc.communicate(b"go\n")
+                assert proc.returncode == 0, err.decode()
+                await asyncio.wait_for(until([p + AFTER for p in progress]), 120)
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+                for i in range(len(PROMPTS)):
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await client.cancel(ch, f"{tag}-{i}")
+            return json.loads(out), list(await running)
+
+    return run(scenario(), timeout=300)
+
+
+def test_requests_keep_their_kv_through_an_in_place_merge_and_split(cluster):
+    """`kunctl tp --in-place` while a request decodes on each worker, `kunctl tp-split --in-place` while two decode on
+    the merged instance: every request keeps running with its KV (its tokens are the reference's and no prompt is
+    computed twice), the dispatcher re-attaches the one that moved where it went, and the workers are the same
+    processes (no re-exec). A request longer than a whole instance's KV is served in between."""
+    pids = {w: cluster.child(w).proc.pid for w in MEMBERS}
+    computed = prompt_tokens(cluster)
+    rep, during = in_place_during(cluster, "merge", "tp", "--group", ",".join(MEMBERS), "--in-place")
+    assert rep["completed"] and rep["mode"] == "in-place" and rep["degree"] == 2 and rep["members"] == MEMBERS, rep
+    assert rep.get("handed_over", 0) == 0, rep  # nothing handed over to re-prefill
+    assert rep["after"][0]["kv_tokens"] >= 2 * max(i["kv_tokens"] for i in rep["before"]), rep
+    for prompt, res in zip(PROMPTS, during, strict=True):
+        assert res.worker_id == "worker-0", res  # the one that ran on worker-1 was re-attached at rank 0
+        check_against_reference(prompt, res.token_ids, len(res.token_ids))
+    assert moves(cluster, "merge") == [("worker-1", "worker-0")]
+    assert prompt_tokens(cluster) == computed + sum(map(len, PROMPTS))  # no prompt computed twice
+    assert tp_members(cluster, "worker-1") == MEMBERS
+
+    long = generate(cluster, LONG, "long-in-place", 8)  # 1308 tokens: more than a whole instance holds
+    assert not isinstance(long, BaseException), long
+    compare_greedy(long.token_ids, *reference_for(LONG, 8))
+
+    computed = prompt_tokens(cluster)
+    rep, during = in_place_during(cluster, "split", "tp-split", "--group", "worker-1", "--in-place")
+    assert rep["completed"] and rep["mode"] == "in-place" and rep["op"] == "tp-split", rep
+    assert sorted(i["members"] for i in rep["after"]) == [["worker-0"], ["worker-1"]], rep
+    assert sorted(r.worker_id for r in during) == MEMBERS  # shared between the whole instances: one moved
+    assert moves(cluster, "split") == [("worker-0", "worker-1")]
+    for prompt, res in zip(PROMPTS, during, strict=True):
+        check_against_reference(prompt, res.token_ids, len(res.token_ids))
+    assert prompt_tokens(cluster) == computed + sum(map(len, PROMPTS))
+    assert {w: tp_members(cluster, w) for w in MEMBERS} == {w: [w] for w in MEMBERS}
+    assert {w: cluster.child(w).proc.pid for w in MEMBERS} == pids  # changed in place, never re-executed
 
 
 def test_every_worker_stops_by_itself(cluster):
