@@ -243,14 +243,17 @@ class TPPlacer:
         stats = await ask_reachable(cluster, cluster.worker_ids,
                                     lambda stub: stub.GetStats(common_pb2.Empty(), timeout=INFO_TIMEOUT_S))
         # rank 0 speaks for its instance; whole instances and followers are not split
-        seen = [(w, len(st.tp_members), self.split_busy or (st.num_running == 0 and st.num_waiting == 0))
+        idle = {w: st.num_running == 0 and st.num_waiting == 0 for w, st in stats.items()}
+        seen = [(w, len(st.tp_members), self.split_busy or idle[w])
                 for w, st in stats.items() if len(st.tp_members) >= 2 and st.tp_members[0] == w]
         async with self._lock:  # no placement decides on an instance while it splits
             due = self.idle_split.observe(time.monotonic(), seen)
             for inst in due:
                 self.log.info("tp_idle_split", instance=inst, idle_s=self.idle_split.idle_s)
                 try:
-                    report = await self.reformer.split(memory_manager_pb2.SplitTPRequest(worker_id=inst))
+                    # busy, an instance formed cold (its members hold their shards only) waits until it is idle
+                    report = await self.reformer.split(memory_manager_pb2.SplitTPRequest(worker_id=inst),
+                                                       cold_fallback=idle.get(inst, False))
                 except OrchestrationError as exc:  # refused (its requests do not fit yet) or deferred: next spell
                     self.log.info("tp_idle_split_deferred", instance=inst, code=exc.code, reason=str(exc))
                     continue

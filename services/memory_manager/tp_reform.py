@@ -332,7 +332,10 @@ class TPReformer:
                 )
             return await self._done(report, [ids], t0)
 
-    async def split(self, req: memory_manager_pb2.SplitTPRequest) -> memory_manager_pb2.TPReport:
+    async def split(self, req: memory_manager_pb2.SplitTPRequest, cold_fallback: bool = True) -> memory_manager_pb2.TPReport:
+        """`cold_fallback` False: an in-place split that rank 0 refuses because the instance was formed cold is
+        FAILED_PRECONDITION instead of a cold split (the idle split of a busy instance must not hand its requests
+        over to re-prefill)."""
         async with self.orchestrator._exclusive("tensor-parallel split"), self._members_reforming():
             t0 = time.perf_counter()
             if not req.worker_id:
@@ -346,7 +349,7 @@ class TPReformer:
                 op="tp-split", members=members, degree=1, before=[instance_pb(members, found.get(members[0]))], mode=mode
             )
             self.log.info("tp_reform_start", op="tp-split", members=members, mode=mode)
-            if mode == "in-place" and await self._split_in_place(members, report):
+            if mode == "in-place" and await self._split_in_place(members, report, cold_fallback):
                 return await self._done(report, [[w] for w in members], t0)
             # rank 0 first: it hands its requests over and stops the followers cleanly before they leave
             try:
@@ -360,7 +363,8 @@ class TPReformer:
                 return await self._finish(report, members, t0)
             return await self._done(report, [[w] for w in members], t0)
 
-    async def _split_in_place(self, members: Sequence[str], report: memory_manager_pb2.TPReport) -> bool:
+    async def _split_in_place(self, members: Sequence[str], report: memory_manager_pb2.TPReport,
+                              cold_fallback: bool = True) -> bool:
         """Ask rank 0 for an in-place split (it takes the followers with it) and wait until every member serves alone.
         False when the split is to go on cold: the instance was formed cold (its members hold their shards only), it
         refused (its requests do not fit the whole instances: `report.error` says so and the instance serves on), or
@@ -368,7 +372,7 @@ class TPReformer:
         try:
             await self._stub(members[0]).ReformTP(self._reform([members[0]], 0, in_place=True), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or not cold_fallback:
                 raise OrchestrationError(exc.code().name, f"{members[0]}: {exc.details()}") from None
             self.log.info("tp_split_cold", members=list(members), why=exc.details())
             report.mode = "cold"

@@ -13,7 +13,7 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kunserve.shared.engine.api import TokenEvent
+from kunserve.shared.engine.api import FinishReason, TokenEvent
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.log import get_logger
 from kunserve.shared.streams import StreamRegistry
@@ -64,6 +64,21 @@ class StreamHandover:
         for rid, target in moved.items():
             self.engine_loop.forget(rid)
             self.streams.put(rid, Moved(target))
+
+    def lose(self, request_ids: Iterable[str], why: str) -> None:
+        """End the streams of requests that left but could not be handed over (a change failed after its commit)
+        as lost: the dispatcher resumes each elsewhere (it re-prefills)."""
+        for rid in request_ids:
+            self.engine_loop.forget(rid)
+            self.streams.put(rid, TokenEvent(rid, -1, 0, FinishReason.LOST, error=why))
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Requests that arrived with a change that then failed: stop them here (their old owner ends their streams
+        as lost) and forget their buffered streams."""
+        ids = list(request_ids)
+        for rid in ids:
+            self.engine_loop.abort(rid)
+        self.give_back(ids)
 
     def _expire_unattached(self, rid: str) -> None:
         """Nobody attached to a request that moved here (its client is gone): free it."""

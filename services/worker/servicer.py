@@ -18,6 +18,7 @@ import grpc
 
 from kunserve.shared.config import TensorParallelSection
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest, TokenEvent
+from kunserve.shared.engine.engine import InstanceBroken
 from kunserve.shared.engine.loop import EngineStopped
 from kunserve.shared.engine.pooled import LayerChange, PooledInstance
 from kunserve.shared.engine.tensor_parallel import TPFollower
@@ -172,7 +173,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             while True:
                 item = await queue.get()
-                if isinstance(item, Shutdown) and self.reform is not None:
+                if isinstance(item, Shutdown) and self.reform is not None and not self.reform_in_place:
                     # handed over for a re-form: the dispatcher resumes it once a re-formed instance serves (this
                     # worker is not written off for it, as a worker that went away would be)
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self._reforming_message()}; resume",
@@ -566,7 +567,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._context = contextvars.copy_context()  # the service's log context, for the split a follower thread starts
         try:
             report = await self.in_place.merge(membership)
-        except (ValueError, RuntimeError, OSError) as exc:  # refused, healed (InstanceBroken) or never met
+        except Exception as exc:  # refused, healed or never met: whole, as before (tp_in_place.py)
             self.log.error("tensor_parallel_in_place_failed", op="scale-up", members=list(new.members),
                            error=f"{type(exc).__name__}: {exc}", now="whole instance")
             self._end_reform()
@@ -585,20 +586,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         assert tp is not None and tp.leader is not None
         try:
             report = await self.in_place.split(tp)
-        except ValueError as exc:  # refused on every member, nothing changed: the instance serves on
+        except ValueError as exc:  # refused before the followers were told: the instance serves on
             self.log.warning("tensor_parallel_in_place_refused", op="split", error=str(exc))
             tp.leader.split_sent = False
             tp.start(self.engine)
             self._end_reform()
             return
-        except RuntimeError as exc:  # healed (InstanceBroken): whole, every request re-prefills here
+        except InstanceBroken as exc:  # whole again, its requests where their streams are (or resumed elsewhere)
             self.log.error("tensor_parallel_in_place_failed", op="split", error=str(exc), now="whole instance")
-            report = None
-        self.tp = None
-        self._end_reform()
-        if report is not None:
-            self.log.info("tensor_parallel_in_place_done", op="split", requests=report.requests,
-                          moved=report.moved_requests, ms=round(report.seconds * 1e3, 1))
+            self._left_instance()
+            return
+        except Exception as exc:  # SplitBroken or worse: start again as configured
+            self._exit_broken(tp, f"in-place split: {type(exc).__name__}: {exc}")
+            return
+        self._left_instance()
+        self.log.info("tensor_parallel_in_place_done", op="split", requests=report.requests,
+                      moved=report.moved_requests, ms=round(report.seconds * 1e3, 1))
 
     def _follower_ended(self, follower: TPFollower) -> None:
         """A follower's loop ended (its thread): on SPLIT this worker joins rank 0's in-place split."""
@@ -621,13 +624,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             tp.start(self.engine)
             self._end_reform()
             return
-        except RuntimeError as exc:  # healed (InstanceBroken)
+        except InstanceBroken as exc:  # healed: a whole instance again, holding none of the instance's requests
             self.log.error("tensor_parallel_in_place_failed", op="split", error=str(exc), now="whole instance")
-            report = None
+            self._left_instance()
+            return
+        except Exception as exc:  # SplitBroken or worse: start again as configured
+            self._exit_broken(tp, f"in-place split: {type(exc).__name__}: {exc}")
+            return
+        self._left_instance()
+        self.log.info("tensor_parallel_in_place_done", op="split", requests=report.requests, ms=round(report.seconds * 1e3, 1))
+
+    def _left_instance(self) -> None:
         self.tp = None
         self._end_reform()
-        if report is not None:
-            self.log.info("tensor_parallel_in_place_done", op="split", requests=report.requests, ms=round(report.seconds * 1e3, 1))
+
+    def _exit_broken(self, tp: TPMembership, why: str) -> None:
+        """A change failed where this worker's state is not known: stop the service and exit with EXIT_BROKEN (a
+        supervisor starts it again as configured); its streams end, so the dispatcher resumes their requests."""
+        self.log.error("tensor_parallel_in_place_broken", error=why, exit_status="EXIT_BROKEN")
+        tp.exited_broken = True
+        self._end_reform()
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _end_reform(self) -> None:
         self.reform, self.reform_in_place = None, False

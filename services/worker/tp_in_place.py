@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from kunserve.shared.engine.engine import Engine
+from kunserve.shared.engine.engine import Engine, InstanceBroken
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader
@@ -39,6 +39,10 @@ from .handover import StreamHandover
 from .tp_member import TPMembership
 
 RECEIVE_TIMEOUT_S = 30.0  # the engine thread waits this long for the event loop to open the received streams
+
+
+class SplitBroken(RuntimeError):
+    """An in-place split failed where this worker's state is not known: it must exit and be started again."""
 
 
 class InPlaceTP:
@@ -105,40 +109,62 @@ class InPlaceTP:
     async def split(self, membership: TPMembership) -> TransformReport:
         """Rank 0's part of splitting its in-place instance back into whole ones: SPLIT to the followers, then
         `scale_down` with them; the streams of the requests that left end with moved_to their new worker.
-        The membership's tasks are cancelled; its group is closed unless the split was refused (ValueError)."""
+
+        Raises ValueError when refused before SPLIT went out (nothing changed: the instance goes on over the same
+        group), InstanceBroken when this worker is a whole instance again but the split did not complete (healed
+        by `scale_down`, or committed with a hand-over that could not finish: the streams of the requests that left
+        then end as lost, so the dispatcher resumes them), SplitBroken when its state is not known (the worker must
+        exit and start again). The membership's tasks are cancelled; its group is closed unless refused."""
         assert membership.leader is not None and membership.group is not None
         leader, group = membership.leader, membership.group
         membership.cancel_tasks()
+        stage: list[str] = []  # "split": SPLIT went out; "committed": scale_down returned
 
         def on_engine(engine: Engine) -> TransformReport:
             check_split(engine, membership.degree)  # refused here, the followers never stop following
+            stage.append("split")
             leader.split()
             report = scale_down(engine, group, self.instance.cfg, self.instance.layout.weights())
+            stage.append("committed")
+            committed.append(report)
             group.barrier()  # every follower's buffered streams are open before rank 0 says moved_to
             return report
 
+        committed: list[TransformReport] = []
         try:
             report = await asyncio.wrap_future(self.engine_loop.call(on_engine))
-        except ValueError:
-            raise  # refused on every member, nothing changed: the instance goes on over the same group
-        except BaseException:
+        except Exception as exc:
+            if not stage:
+                raise ValueError(str(exc)) from exc  # nothing sent, nothing changed: as a refusal
             group.close()
-            raise
+            if committed:
+                self.handover.lose([rid for rid in committed[0].moved if self.owns_stream(rid)],
+                                   f"the in-place split's hand-over failed ({exc})")
+                raise InstanceBroken(f"in-place split committed, hand-over failed: {exc}") from exc
+            if isinstance(exc, InstanceBroken):
+                raise  # healed by scale_down: whole, every request where its stream is
+            raise SplitBroken(f"in-place split failed mid-way: {type(exc).__name__}: {exc}") from exc
         group.close()
         self.handover.hand_over({rid: membership.members[owner] for rid, owner in report.moved.items()
                                  if self.owns_stream(rid)})
         return report
 
     async def follower_split(self, membership: TPMembership) -> TransformReport:
-        """A follower's part of the split rank 0 announced (its loop ended on SPLIT)."""
+        """A follower's part of the split rank 0 announced (its loop ended on SPLIT). Raises ValueError when refused
+        (it follows rank 0 again over the same group), InstanceBroken when healed to a whole instance (holding none
+        of the instance's requests), SplitBroken when its state is not known (the worker must exit and start
+        again); requests it received before a failure are dropped here (rank 0 ends their streams as lost)."""
         assert membership.group is not None
         group, rank = membership.group, membership.rank
         membership.cancel_tasks()
         loop = asyncio.get_running_loop()
+        received: list[str] = []
 
         def on_engine(engine: Engine) -> TransformReport:
             report = scale_down(engine, group, self.instance.cfg, self.instance.layout.weights())
-            self._receive_from_engine_thread({rid: o for rid, o in report.moved.items() if o == rank}, loop)
+            mine = {rid: o for rid, o in report.moved.items() if o == rank}
+            self._receive_from_engine_thread(mine, loop)
+            received.extend(mine)
             group.barrier()
             return report
 
@@ -146,9 +172,13 @@ class InPlaceTP:
             report = await asyncio.wrap_future(self.engine_loop.call(on_engine))
         except ValueError:
             raise  # refused on every member: it follows rank 0 again over the same group
-        except BaseException:
+        except Exception as exc:
             group.close()
-            raise
+            if received:
+                self.handover.drop(received)
+            if isinstance(exc, InstanceBroken):
+                raise
+            raise SplitBroken(f"in-place split failed mid-way: {type(exc).__name__}: {exc}") from exc
         group.close()
         return report
 

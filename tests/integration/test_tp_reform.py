@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -163,6 +164,21 @@ def prompt_tokens(cluster) -> int:
     return run(stats())
 
 
+def routed_to_both(cluster, timeout_s: float = 60.0) -> None:
+    """Until the dispatcher sends two requests at once to the two whole instances: after the cold split it counts
+    a re-executed worker unroutable until a report taken since says it serves."""
+    deadline = time.monotonic() + timeout_s
+    n = 0
+    while True:
+        n += 1
+        reqs = [client.make_request(SHORT, request_id=f"probe-{n}-{i}", max_tokens=4, ignore_eos=True) for i in range(2)]
+        got = run(generate_many(cluster.cfg.dispatcher.address, reqs))
+        if sorted(getattr(r, "worker_id", "") for r in got) == MEMBERS:
+            return
+        assert time.monotonic() < deadline, f"the dispatcher still routes to one worker only: {got}"
+        time.sleep(0.5)
+
+
 def moves(cluster, tag: str) -> list[tuple[str, str]]:
     """(from, to) of every move of a `tag`-* request the dispatcher logged (it re-attached the stream there)."""
     out = []
@@ -174,13 +190,15 @@ def moves(cluster, tag: str) -> list[tuple[str, str]]:
     return out
 
 
-def in_place_during(cluster, tag: str, *args) -> tuple[dict, list[client.GenerationResult]]:
+def in_place_during(cluster, tag: str, *args) -> tuple[dict, list[client.GenerationResult], list[str]]:
     """Two requests decode; once each has a token, kunctl (imports done beforehand) changes the parallelism in place;
-    once each has decoded AFTER more tokens, both are cancelled. The report and the results (the tokens each had)."""
+    once each has decoded AFTER more tokens, both are cancelled. The report, the results (the tokens each had) and
+    the worker each request started on."""
     argv = kunctl_argv(cluster, *args, "--json")
 
     async def scenario():
         progress = [0 for _ in PROMPTS]
+        first = ["" for _ in PROMPTS]
         proc = await asyncio.create_subprocess_exec(
             argv[0], "-c", READY_KUNCTL, *argv[3:], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
@@ -189,6 +207,7 @@ def in_place_during(cluster, tag: str, *args) -> tuple[dict, list[client.Generat
             async def one(i: int):
                 def seen(ev, i=i):
                     progress[i] += ev.token_id >= 0
+                    first[i] = first[i] or ev.worker_id
 
                 req = client.make_request(PROMPTS[i], request_id=f"{tag}-{i}", max_tokens=BUDGET, ignore_eos=True)
                 return await client.generate(ch, req, timeout=240, on_event=seen)
@@ -212,7 +231,7 @@ def in_place_during(cluster, tag: str, *args) -> tuple[dict, list[client.Generat
                 for i in range(len(PROMPTS)):
                     with contextlib.suppress(grpc.aio.AioRpcError):
                         await client.cancel(ch, f"{tag}-{i}")
-            return json.loads(out), list(await running)
+            return json.loads(out), list(await running), first
 
     return run(scenario(), timeout=300)
 
@@ -223,15 +242,17 @@ def test_requests_keep_their_kv_through_an_in_place_merge_and_split(cluster):
     computed twice), the dispatcher re-attaches the one that moved where it went, and the workers are the same
     processes (no re-exec). A request longer than a whole instance's KV is served in between."""
     pids = {w: cluster.child(w).proc.pid for w in MEMBERS}
+    routed_to_both(cluster)
     computed = prompt_tokens(cluster)
-    rep, during = in_place_during(cluster, "merge", "tp", "--group", ",".join(MEMBERS), "--in-place")
+    rep, during, started_on = in_place_during(cluster, "merge", "tp", "--group", ",".join(MEMBERS), "--in-place")
+    assert sorted(started_on) == MEMBERS, started_on  # one on each whole instance (the router counts what it sent)
     assert rep["completed"] and rep["mode"] == "in-place" and rep["degree"] == 2 and rep["members"] == MEMBERS, rep
     assert rep.get("handed_over", 0) == 0, rep  # nothing handed over to re-prefill
     assert rep["after"][0]["kv_tokens"] >= 2 * max(i["kv_tokens"] for i in rep["before"]), rep
     for prompt, res in zip(PROMPTS, during, strict=True):
         assert res.worker_id == "worker-0", res  # the one that ran on worker-1 was re-attached at rank 0
         check_against_reference(prompt, res.token_ids, len(res.token_ids))
-    assert moves(cluster, "merge") == [("worker-1", "worker-0")]
+    assert [m[0] for m in moves(cluster, "merge")] == ["worker-1"] and moves(cluster, "merge")[0][1] == "worker-0"
     assert prompt_tokens(cluster) == computed + sum(map(len, PROMPTS))  # no prompt computed twice
     assert tp_members(cluster, "worker-1") == MEMBERS
 
@@ -240,7 +261,8 @@ def test_requests_keep_their_kv_through_an_in_place_merge_and_split(cluster):
     compare_greedy(long.token_ids, *reference_for(LONG, 8))
 
     computed = prompt_tokens(cluster)
-    rep, during = in_place_during(cluster, "split", "tp-split", "--group", "worker-1", "--in-place")
+    rep, during, started_on = in_place_during(cluster, "split", "tp-split", "--group", "worker-1", "--in-place")
+    assert started_on == ["worker-0", "worker-0"], started_on  # the merged instance is rank 0
     assert rep["completed"] and rep["mode"] == "in-place" and rep["op"] == "tp-split", rep
     assert sorted(i["members"] for i in rep["after"]) == [["worker-0"], ["worker-1"]], rep
     assert sorted(r.worker_id for r in during) == MEMBERS  # shared between the whole instances: one moved

@@ -178,6 +178,18 @@ def test_split_of_an_instance_formed_cold_falls_back_to_the_cold_split():
     assert [list(i.members) for i in rep.after] == [["w0"], ["w1"]]
 
 
+def test_without_cold_fallback_an_instance_formed_cold_is_not_split_at_all():
+    """The idle split of a busy instance: an instance formed cold would hand its requests over to re-prefill."""
+    c = tp2_pair()
+    c.workers["w0"].formed_cold = True
+    r = reformer(c, mode="in-place")
+    with pytest.raises(OrchestrationError) as e:
+        asyncio.run(r.split(memory_manager_pb2.SplitTPRequest(worker_id="w0"), cold_fallback=False))
+    assert e.value.code == "FAILED_PRECONDITION", e.value
+    assert c.modes == [("w0", True)]  # no cold re-form
+    assert [list(w.info.tp_members) for w in c.workers.values()] == [["w0", "w1"], ["w0", "w1"]]
+
+
 def test_split_that_does_not_settle_in_time_falls_back_to_the_cold_split():
     c = tp2_pair()
     c.workers["w0"].never_settles = True  # the in-place split never ends; the cold re-form still brings it back

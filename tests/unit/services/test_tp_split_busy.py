@@ -70,14 +70,16 @@ class Setup:
         self.clock = Clock()
         monkeypatch.setattr(tp_placement, "time", SimpleNamespace(monotonic=self.clock.monotonic))
         self.asked: list[str] = []
+        self.fallbacks: list[bool] = []  # cold_fallback of every split asked: only an idle instance may split cold
         self.refuse: set[str] = set()
         monkeypatch.setattr(r, "split", self.split)
         self.placer = TPPlacer(r, idle_split_s=IDLE_S)
         self.log = Log()
         monkeypatch.setattr(self.placer, "log", self.log)
 
-    async def split(self, req: memory_manager_pb2.SplitTPRequest) -> memory_manager_pb2.TPReport:
+    async def split(self, req: memory_manager_pb2.SplitTPRequest, cold_fallback: bool = True) -> memory_manager_pb2.TPReport:
         self.asked.append(req.worker_id)
+        self.fallbacks.append(cold_fallback)
         if req.worker_id in self.refuse:
             raise OrchestrationError("FAILED_PRECONDITION", f"the in-place split of {req.worker_id}'s instance was refused")
         members = list(self.cluster.workers[req.worker_id].info.tp_members)
@@ -110,6 +112,7 @@ def test_in_place_splits_a_busy_instance_once_idle_split_s_passed_without_placem
     assert s.at(0) == []  # the spell starts
     assert s.at(IDLE_S - 0.5) == [] and s.asked == []
     assert s.at(IDLE_S) == ["w0"] and s.asked == ["w0"]
+    assert s.fallbacks == [False]  # busy: in place or not at all (an instance formed cold must not hand requests over)
     assert [(e, kw["instance"]) for e, kw in s.log.events] == [("tp_idle_split", "w0")]
     assert list(s.cluster.workers["w1"].info.tp_members) == ["w1"]
     assert s.at(2 * IDLE_S + 1) == [] and s.asked == ["w0"]  # whole instances are not split
@@ -126,6 +129,7 @@ def test_cold_never_splits_a_busy_instance_but_does_an_idle_one(monkeypatch):
     t0 = 10 * IDLE_S + 1
     assert s.at(t0) == [] and s.at(t0 + IDLE_S - 0.5) == []
     assert s.at(t0 + IDLE_S) == ["w0"] and s.asked == ["w0"]
+    assert s.fallbacks == [True]  # idle: a cold split costs nothing
 
 
 def test_a_placement_restarts_the_idle_spell(monkeypatch):
