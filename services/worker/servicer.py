@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -22,6 +23,7 @@ from kunserve.shared.engine.engine import InstanceBroken
 from kunserve.shared.engine.loop import EngineStopped
 from kunserve.shared.engine.pooled import LayerChange, PooledInstance
 from kunserve.shared.engine.tensor_parallel import TPFollower
+from kunserve.shared.engine.tp_transform import TransformReport
 from kunserve.shared.epochs import epoch_error
 from kunserve.shared.log import get_logger
 from kunserve.shared.memory.errors import MemoryPoolError
@@ -584,24 +586,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _split_in_place(self) -> None:
         tp = self.tp
         assert tp is not None and tp.leader is not None
-        try:
-            report = await self.in_place.split(tp)
-        except ValueError as exc:  # refused before the followers were told: the instance serves on
-            self.log.warning("tensor_parallel_in_place_refused", op="split", error=str(exc))
-            tp.leader.split_sent = False
-            tp.start(self.engine)
-            self._end_reform()
-            return
-        except InstanceBroken as exc:  # whole again, its requests where their streams are (or resumed elsewhere)
-            self.log.error("tensor_parallel_in_place_failed", op="split", error=str(exc), now="whole instance")
-            self._left_instance()
-            return
-        except Exception as exc:  # SplitBroken or worse: start again as configured
-            self._exit_broken(tp, f"in-place split: {type(exc).__name__}: {exc}")
-            return
-        self._left_instance()
-        self.log.info("tensor_parallel_in_place_done", op="split", requests=report.requests,
-                      moved=report.moved_requests, ms=round(report.seconds * 1e3, 1))
+        leader = tp.leader
+        await self._split_outcome(tp, self.in_place.split(tp), leader.split_refused)
 
     def _follower_ended(self, follower: TPFollower) -> None:
         """A follower's loop ended (its thread): on SPLIT this worker joins rank 0's in-place split."""
@@ -615,24 +601,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _follower_split_in_place(self) -> None:
         tp = self.tp
         assert tp is not None
+        await self._split_outcome(tp, self.in_place.follower_split(tp),
+                                  lambda: tp.follow_again(self.engine.engine, self.engine.num_threads, self._follower_ended))
+
+    async def _split_outcome(self, tp: TPMembership, part: Awaitable[TransformReport], refused: Callable[[], None]) -> None:
+        """This member's part of an in-place split, and what follows (tp_in_place.py): refused (ValueError) -> the
+        instance goes on (`refused` resumes this member's role); healed or failed after the commit (InstanceBroken)
+        -> a whole instance; anything else -> its state is not known: exit and start again as configured."""
         try:
-            report = await self.in_place.follower_split(tp)
-        except ValueError as exc:  # refused: follow rank 0 again
+            report = await part
+        except ValueError as exc:
             self.log.warning("tensor_parallel_in_place_refused", op="split", error=str(exc))
-            assert tp.group is not None
-            tp.follower = TPFollower(tp.group, self.engine.engine, self.engine.num_threads, on_end=self._follower_ended)
+            refused()
             tp.start(self.engine)
             self._end_reform()
             return
-        except InstanceBroken as exc:  # healed: a whole instance again, holding none of the instance's requests
+        except InstanceBroken as exc:
             self.log.error("tensor_parallel_in_place_failed", op="split", error=str(exc), now="whole instance")
             self._left_instance()
             return
-        except Exception as exc:  # SplitBroken or worse: start again as configured
+        except Exception as exc:  # SplitBroken or worse
             self._exit_broken(tp, f"in-place split: {type(exc).__name__}: {exc}")
             return
         self._left_instance()
-        self.log.info("tensor_parallel_in_place_done", op="split", requests=report.requests, ms=round(report.seconds * 1e3, 1))
+        self.log.info("tensor_parallel_in_place_done", op="split", requests=report.requests,
+                      moved=report.moved_requests, ms=round(report.seconds * 1e3, 1))
 
     def _left_instance(self) -> None:
         self.tp = None

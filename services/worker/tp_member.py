@@ -25,12 +25,12 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
 from kunserve.shared.config import ClusterConfig, ConfigError, TensorParallelSection
-from kunserve.shared.engine.engine import InstanceBroken
+from kunserve.shared.engine.engine import Engine, InstanceBroken
 from kunserve.shared.engine.loop import EngineLoop, EngineStopped
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader, check_same_blocks
@@ -151,6 +151,11 @@ class TPMembership:
                 self.exited_broken = True
                 os.kill(os.getpid(), signal.SIGTERM)  # the service's graceful stop; main() exits with EXIT_BROKEN
                 return
+
+    def follow_again(self, engine: Engine, threads: int, on_end: Callable[[TPFollower], None]) -> None:
+        """A follower whose split was refused follows rank 0 again over the same group (start() runs the loop)."""
+        assert self.group is not None
+        self.follower = TPFollower(self.group, engine, threads, on_end=on_end)
 
     def cancel_tasks(self) -> None:
         """At shutdown or before an in-place split, on the event loop: no more heartbeats or watching."""

@@ -239,6 +239,10 @@ class TPLeader:
             except InstanceBroken:
                 pass  # a follower already gone: nothing to stop
 
+    def split_refused(self) -> None:
+        """The split that SPLIT announced was refused: the followers follow again, heartbeats resume."""
+        self.split_sent = False
+
     def split(self) -> None:
         """End the followers' loops for an in-place scale-down (engine thread): each then joins `scale_down` over the
         same group. InstanceBroken when a follower is gone."""

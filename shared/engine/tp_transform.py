@@ -186,9 +186,21 @@ def _agree(group: TPGroup, op: str, error: str) -> None:
         raise ValueError(f"cannot {op} in place: " + "; ".join(bad))
 
 
-def _vote(group: TPGroup, ok: bool) -> bool:
-    """Whether every member is ready to commit (a member that cannot answer raises InstanceBroken)."""
-    return all(group.all_gather_int(int(ok)))
+def _move_then_vote(group: TPGroup, engine: Engine, phases: Sequence[Sequence[SubBlockMove]], cfg: ModelConfig,
+                    weights: Weights) -> tuple[int, int, int, ModelRunner]:
+    """The moves, then this member's runner for what it becomes, then the vote: every member ready, or every member
+    raises (a member that cannot answer raises InstanceBroken), so none commits alone."""
+    sent, received, peak = run_moves(group, engine, phases)
+    runner: ModelRunner | None = None
+    why: Exception | None = None
+    try:
+        runner = engine.shard_runner(cfg, weights)
+    except Exception as exc:  # noqa: BLE001 - reported through the vote
+        why = exc
+    if not all(group.all_gather_int(int(runner is not None))):
+        raise RuntimeError("a member could not build its runner" if why is None else f"its runner could not be built: {why}")
+    assert runner is not None
+    return sent, received, peak, runner
 
 
 def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weights, *,
@@ -222,16 +234,8 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
     if len(set(sub_counts)) != 1:  # a pool layout's tail can hold a few more sub-blocks on one member
         engine.kv.merge_kv_heads(degree)
         raise ValueError(f"members have different sub-block counts {sub_counts} (by rank) after the head split")
-    runner: ModelRunner | None = None
-    ready, why = False, None
     try:
-        sent, received, peak = run_moves(group, engine, plan.phases)
-        try:
-            runner, ready = engine.shard_runner(shard_cfg, shard), True
-        except Exception as exc:  # noqa: BLE001 - reported through the vote, healed below
-            why = exc
-        if not _vote(group, ready):
-            raise RuntimeError("a member could not build its shard" if ready else f"its shard could not be built: {why}")
+        sent, received, peak, runner = _move_then_vote(group, engine, plan.phases, shard_cfg, shard)
     except Exception as exc:  # a member died, hung or failed before the commit: this member's KV is not trusted
         engine.kv.merge_kv_heads(degree)
         engine.become_whole(mine, recompute=True)
@@ -245,7 +249,6 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
                                          [plan.block_maps[m][b] for b in s.blocks], s.generator_state,
                                          s.num_preemptions))
         owned.sort(key=lambda s: s.request.arrival_time)
-    assert runner is not None
     engine.change_shard(runner, owned, tensor_parallel=True)
     moved = {s.request.request_id: 0 for m, snaps in enumerate(everyone) if m != 0 for s in snaps}
     return TransformReport("scale-up", me, degree, len(owned), len(moved), sent, received, peak, blocks_before,
@@ -273,26 +276,16 @@ def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: We
     owners = {b: assignment[s.request.request_id] for s in snaps for b in s.blocks}
     plan = kv_head_split.plan_head_gather(owners, whole_blocks, whole_cfg.num_kv_heads, degree, blocks_before)
     mine = [s for s in snaps if assignment[s.request.request_id] == me]
-    runner: ModelRunner | None = None
-    ready, why = False, None
     try:
-        sent, received, peak = run_moves(group, engine, [plan.moves])
-        try:
-            runner, ready = engine.shard_runner(whole_cfg, whole), True
-        except Exception as exc:  # noqa: BLE001 - reported through the vote, healed below
-            why = exc
-        if not _vote(group, ready):
-            raise RuntimeError("a member could not build its runner" if ready else f"its runner could not be built: {why}")
+        sent, received, peak, runner = _move_then_vote(group, engine, [plan.moves], whole_cfg, whole)
     except Exception as exc:  # a member died, hung or failed mid-move: whole again, rank 0 with every request recomputed
         kept = [_recomputed(s) for s in snaps] if me == 0 else []  # where their streams are: nothing moved yet
         engine.kv.merge_kv_heads(degree)
-        engine.change_shard(runner if ready and runner is not None else engine.shard_runner(whole_cfg, whole), kept,
-                            tensor_parallel=False)
+        engine.change_shard(engine.shard_runner(whole_cfg, whole), kept, tensor_parallel=False)
         raise _healed("scale-down", me, degree, len(kept), exc) from exc
     engine.kv.merge_kv_heads(degree)
     owned = [SeqSnapshot(s.request, list(s.generated), s.num_computed, [plan.block_maps[me][b] for b in s.blocks],
                          s.generator_state, s.num_preemptions) for s in mine]
-    assert runner is not None
     engine.change_shard(runner, owned, tensor_parallel=False)
     moved = {s.request.request_id: assignment[s.request.request_id] for s in snaps
              if assignment[s.request.request_id] != 0}
