@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import time
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -32,7 +33,6 @@ MEMBERS = ["worker-0", "worker-1"]
 POOL = dict(pool_mib=26, page_kib=256)
 LONG = [(i * 7 + 3) % 4000 + 10 for i in range(1300)]
 SHORT = [5, 6, 7, 8, 9]
-DURING = 1200  # tokens of the request that runs while the cluster re-forms (prompt + these fit a whole instance)
 # kunctl with its imports done, waiting for a line on stdin: the re-form starts moments after the request streams
 READY_KUNCTL = "import sys; from kunserve.cli import kunctl; sys.stdin.readline(); kunctl.main(sys.argv[1:])"
 
@@ -59,34 +59,6 @@ def kunctl(cluster, *args) -> dict:
     return json.loads(out.stdout)
 
 
-def kunctl_during_a_request(cluster, rid: str, *args) -> tuple[dict, client.GenerationResult]:
-    """Run kunctl once a request has streamed its first token; the request's result (it survives the re-form: handed
-    over, it re-prefills on the new layout) and the report. kunctl is started beforehand and only told to go then, so
-    the re-form reaches the workers while the request still has most of its tokens to generate."""
-    req = client.make_request(SHORT, request_id=rid, max_tokens=DURING, ignore_eos=True)
-    argv = kunctl_argv(cluster, *args, "--json")
-    assert argv[1:3] == ["-m", "kunserve.cli.kunctl"]
-
-    async def scenario():
-        started = asyncio.Event()
-        proc = await asyncio.create_subprocess_exec(
-            argv[0], "-c", READY_KUNCTL, *argv[3:], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        async with client.insecure_channel(cluster.cfg.dispatcher.address) as ch:
-            running = asyncio.ensure_future(client.generate(ch, req, timeout=240, on_event=lambda _ev: started.set()))
-            try:
-                await asyncio.wait_for(started.wait(), 120)
-            except BaseException:
-                proc.kill()
-                await proc.wait()
-                raise
-            out, err = await proc.communicate(b"go\n")
-            assert proc.returncode == 0, err.decode()
-            return json.loads(out), await running
-
-    return run(scenario(), timeout=300)
-
-
 def tp_members(cluster, worker_id: str) -> list[str]:
     async def info():
         async with internal_channel(cluster, cluster.cfg.worker(worker_id).address) as ch:
@@ -100,55 +72,9 @@ def memfds(pid: int) -> int:
     return sum(1 for fd in os.listdir(f"/proc/{pid}/fd") if "memfd:" in os.readlink(f"/proc/{pid}/fd/{fd}"))
 
 
-def test_a_long_request_is_served_after_a_reform_and_the_split_restores_whole_instances(cluster):
-    pids = {w: cluster.child(w).proc.pid for w in MEMBERS}
-    pool_fds = {w: memfds(pid) for w, pid in pids.items()}
-    short_before = generate(cluster, SHORT, "short-before", 8)
-    compare_greedy(short_before.token_ids, *reference_for(SHORT, 8))
-
-    refused = generate(cluster, LONG, "long-refused", 8)
-    assert isinstance(refused, grpc.aio.AioRpcError), refused
-    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV" in refused.details()
-
-    rep, during = kunctl_during_a_request(cluster, "during-tp", "tp", "--group", ",".join(MEMBERS))
-    check_against_reference(SHORT, during.token_ids, DURING)
-    assert rep["completed"] and rep["degree"] == 2 and rep["members"] == MEMBERS, rep
-    assert rep["handed_over"] >= 1, rep  # the running request moved to the new instance
-    assert [i["members"] for i in rep["after"]] == [MEMBERS]
-    assert rep["after"][0]["kv_tokens"] >= len(LONG) + 8 > max(i["kv_tokens"] for i in rep["before"])
-    assert tp_members(cluster, "worker-1") == MEMBERS
-
-    long = generate(cluster, LONG, "long-tp2", 8)
-    assert not isinstance(long, BaseException), long
-    assert long.worker_id == "worker-0"  # rank 0 is the instance; the follower takes no requests
-    compare_greedy(long.token_ids, *reference_for(LONG, 8))
-
-    again = subprocess.run(kunctl_argv(cluster, "tp", "--group", ",".join(MEMBERS)), capture_output=True, text=True, timeout=120)
-    assert again.returncode == 1 and "FAILED_PRECONDITION" in again.stderr and "already in tensor-parallel" in again.stderr
-
-    rep, during = kunctl_during_a_request(cluster, "during-split", "tp-split", "--group", "worker-1")
-    check_against_reference(SHORT, during.token_ids, DURING)
-    assert rep["completed"] and rep["op"] == "tp-split", rep
-    assert sorted(i["members"] for i in rep["after"]) == [["worker-0"], ["worker-1"]]
-    assert {w: tp_members(cluster, w) for w in MEMBERS} == {w: [w] for w in MEMBERS}
-    results = run(
-        generate_many(
-            cluster.cfg.dispatcher.address,
-            [client.make_request(SHORT, request_id=f"short-after-{i}", max_tokens=8, ignore_eos=True) for i in range(4)],
-        )
-    )
-    assert all(not isinstance(r, BaseException) for r in results), results
-    assert all(r.token_ids == short_before.token_ids for r in results)
-
-    # the same processes throughout (the launcher keeps tracking them), each with one pool's memory
-    assert {w: cluster.child(w).proc.pid for w in MEMBERS} == pids
-    assert all(cluster.child(w).exit_code() is None for w in MEMBERS)
-    assert {w: memfds(pid) for w, pid in pids.items()} == pool_fds
-
-
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16]]
 BUDGET = 1270  # each request's whole life fits a whole instance (1280 KV tokens); cancelled long before it ends
-AFTER = 16  # tokens each request decodes after an in-place change before it is cancelled
+AFTER = 16  # tokens each request decodes after a change before it is cancelled
 
 
 def prompt_tokens(cluster) -> int:
@@ -190,37 +116,63 @@ def moves(cluster, tag: str) -> list[tuple[str, str]]:
     return out
 
 
-def in_place_during(cluster, tag: str, *args) -> tuple[dict, list[client.GenerationResult], list[str]]:
-    """Two requests decode; once each has a token, kunctl (imports done beforehand) changes the parallelism in place;
-    once each has decoded AFTER more tokens, both are cancelled. The report, the results (the tokens each had) and
-    the worker each request started on."""
+@dataclass
+class During:
+    """What `change_during` saw: kunctl's report, each request's result (the tokens it had when cancelled), the worker
+    each started on, and how many extra times the second request was started (its prompt computed each time)."""
+
+    report: dict
+    results: list[client.GenerationResult]
+    started_on: list[str]
+    restarts: int = 0
+
+
+def change_during(cluster, tag: str, *args, spread: bool = False) -> During:
+    """Two requests decode (with `spread`, on different workers: the second is started again until the dispatcher
+    puts it beside the other); once each has a token, kunctl (imports done beforehand) changes the parallelism; once
+    each has decoded AFTER more tokens (after a cold re-form: resumed and re-prefilled on the new layout), both are
+    cancelled."""
     argv = kunctl_argv(cluster, *args, "--json")
 
-    async def scenario():
+    async def scenario() -> During:
         progress = [0 for _ in PROMPTS]
         first = ["" for _ in PROMPTS]
+        ids = ["" for _ in PROMPTS]
+        tasks: list[asyncio.Task] = []
         proc = await asyncio.create_subprocess_exec(
             argv[0], "-c", READY_KUNCTL, *argv[3:], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
         async with client.insecure_channel(cluster.cfg.dispatcher.address) as ch:
 
-            async def one(i: int):
-                def seen(ev, i=i):
-                    progress[i] += ev.token_id >= 0
-                    first[i] = first[i] or ev.worker_id
+            def start(i: int, rid: str) -> asyncio.Task:
+                progress[i], first[i], ids[i] = 0, "", rid
 
-                req = client.make_request(PROMPTS[i], request_id=f"{tag}-{i}", max_tokens=BUDGET, ignore_eos=True)
-                return await client.generate(ch, req, timeout=240, on_event=seen)
+                def seen(ev) -> None:
+                    if ev.request_id == ids[i]:
+                        progress[i] += ev.token_id >= 0
+                        first[i] = first[i] or ev.worker_id
 
-            running = asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+                req = client.make_request(PROMPTS[i], request_id=rid, max_tokens=BUDGET, ignore_eos=True)
+                return asyncio.ensure_future(client.generate(ch, req, timeout=240, on_event=seen))
 
             async def until(n: list[int]) -> None:
                 while any(p < k for p, k in zip(progress, n, strict=True)):
-                    assert not running.done(), f"the requests ended before the change: {progress}"
+                    assert not any(t.done() for t in tasks), f"a request ended before the change: {progress}"
                     await asyncio.sleep(0.02)
 
+            restarts = 0
             try:
-                await asyncio.wait_for(until([1] * len(PROMPTS)), 120)
+                tasks.append(start(0, f"{tag}-0"))
+                await asyncio.wait_for(until([1, 0]), 120)
+                tasks.append(start(1, f"{tag}-1"))
+                await asyncio.wait_for(until([1, 1]), 120)
+                while spread and first[1] == first[0]:
+                    restarts += 1
+                    assert restarts <= 20, f"the dispatcher keeps putting both requests on {first[0]}"
+                    await client.cancel(ch, ids[1])
+                    await tasks.pop()
+                    tasks.append(start(1, f"{tag}-1-again{restarts}"))
+                    await asyncio.wait_for(until([1, 1]), 120)
                 out, err = await proc.communicate(b"go\n")
                 assert proc.returncode == 0, err.decode()
                 await asyncio.wait_for(until([p + AFTER for p in progress]), 120)
@@ -228,12 +180,65 @@ def in_place_during(cluster, tag: str, *args) -> tuple[dict, list[client.Generat
                 if proc.returncode is None:
                     proc.kill()
                     await proc.wait()
-                for i in range(len(PROMPTS)):
+                for rid in ids:
                     with contextlib.suppress(grpc.aio.AioRpcError):
-                        await client.cancel(ch, f"{tag}-{i}")
-            return json.loads(out), list(await running), first
+                        await client.cancel(ch, rid)
+            results = list(await asyncio.gather(*tasks))
+            return During(json.loads(out), results, list(first), restarts)
 
     return run(scenario(), timeout=300)
+
+
+def test_a_long_request_is_served_after_a_reform_and_the_split_restores_whole_instances(cluster):
+    pids = {w: cluster.child(w).proc.pid for w in MEMBERS}
+    pool_fds = {w: memfds(pid) for w, pid in pids.items()}
+    short_before = generate(cluster, SHORT, "short-before", 8)
+    compare_greedy(short_before.token_ids, *reference_for(SHORT, 8))
+
+    refused = generate(cluster, LONG, "long-refused", 8)
+    assert isinstance(refused, grpc.aio.AioRpcError), refused
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV" in refused.details()
+
+    d = change_during(cluster, "cold-tp", "tp", "--group", ",".join(MEMBERS))
+    rep = d.report
+    for prompt, res in zip(PROMPTS, d.results, strict=True):
+        check_against_reference(prompt, res.token_ids, len(res.token_ids))
+    assert rep["completed"] and rep["degree"] == 2 and rep["members"] == MEMBERS and rep["mode"] == "cold", rep
+    # both running requests re-prefilled on the new instance (one may be handed over twice: rank 0 re-forms first, so
+    # a request it hands over can resume on the follower before that one re-forms too)
+    assert rep["handed_over"] >= 2, rep
+    assert [i["members"] for i in rep["after"]] == [MEMBERS]
+    assert rep["after"][0]["kv_tokens"] >= len(LONG) + 8 > max(i["kv_tokens"] for i in rep["before"])
+    assert tp_members(cluster, "worker-1") == MEMBERS
+
+    long = generate(cluster, LONG, "long-tp2", 8)
+    assert not isinstance(long, BaseException), long
+    assert long.worker_id == "worker-0"  # rank 0 is the instance; the follower takes no requests
+    compare_greedy(long.token_ids, *reference_for(LONG, 8))
+
+    again = subprocess.run(kunctl_argv(cluster, "tp", "--group", ",".join(MEMBERS)), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 1 and "FAILED_PRECONDITION" in again.stderr and "already in tensor-parallel" in again.stderr
+
+    d = change_during(cluster, "cold-split", "tp-split", "--group", "worker-1")
+    rep = d.report
+    for prompt, res in zip(PROMPTS, d.results, strict=True):
+        check_against_reference(prompt, res.token_ids, len(res.token_ids))
+    assert rep["completed"] and rep["op"] == "tp-split" and rep["handed_over"] >= 2, rep
+    assert sorted(i["members"] for i in rep["after"]) == [["worker-0"], ["worker-1"]]
+    assert {w: tp_members(cluster, w) for w in MEMBERS} == {w: [w] for w in MEMBERS}
+    results = run(
+        generate_many(
+            cluster.cfg.dispatcher.address,
+            [client.make_request(SHORT, request_id=f"short-after-{i}", max_tokens=8, ignore_eos=True) for i in range(4)],
+        )
+    )
+    assert all(not isinstance(r, BaseException) for r in results), results
+    assert all(r.token_ids == short_before.token_ids for r in results)
+
+    # the same processes throughout (the launcher keeps tracking them), each with one pool's memory
+    assert {w: cluster.child(w).proc.pid for w in MEMBERS} == pids
+    assert all(cluster.child(w).exit_code() is None for w in MEMBERS)
+    assert {w: memfds(pid) for w, pid in pids.items()} == pool_fds
 
 
 def test_requests_keep_their_kv_through_an_in_place_merge_and_split(cluster):
@@ -244,16 +249,18 @@ def test_requests_keep_their_kv_through_an_in_place_merge_and_split(cluster):
     pids = {w: cluster.child(w).proc.pid for w in MEMBERS}
     routed_to_both(cluster)
     computed = prompt_tokens(cluster)
-    rep, during, started_on = in_place_during(cluster, "merge", "tp", "--group", ",".join(MEMBERS), "--in-place")
-    assert sorted(started_on) == MEMBERS, started_on  # one on each whole instance (the router counts what it sent)
+    d = change_during(cluster, "merge", "tp", "--group", ",".join(MEMBERS), "--in-place", spread=True)
+    rep = d.report
+    assert sorted(d.started_on) == MEMBERS, d.started_on  # one on each whole instance
     assert rep["completed"] and rep["mode"] == "in-place" and rep["degree"] == 2 and rep["members"] == MEMBERS, rep
     assert rep.get("handed_over", 0) == 0, rep  # nothing handed over to re-prefill
     assert rep["after"][0]["kv_tokens"] >= 2 * max(i["kv_tokens"] for i in rep["before"]), rep
-    for prompt, res in zip(PROMPTS, during, strict=True):
+    for prompt, res in zip(PROMPTS, d.results, strict=True):
         assert res.worker_id == "worker-0", res  # the one that ran on worker-1 was re-attached at rank 0
         check_against_reference(prompt, res.token_ids, len(res.token_ids))
-    assert [m[0] for m in moves(cluster, "merge")] == ["worker-1"] and moves(cluster, "merge")[0][1] == "worker-0"
-    assert prompt_tokens(cluster) == computed + sum(map(len, PROMPTS))  # no prompt computed twice
+    assert moves(cluster, "merge") == [("worker-1", "worker-0")]
+    # no prompt computed twice (a second request started again until it ran beside the first counts its own)
+    assert prompt_tokens(cluster) == computed + sum(map(len, PROMPTS)) + d.restarts * len(PROMPTS[1])
     assert tp_members(cluster, "worker-1") == MEMBERS
 
     long = generate(cluster, LONG, "long-in-place", 8)  # 1308 tokens: more than a whole instance holds
@@ -261,13 +268,14 @@ def test_requests_keep_their_kv_through_an_in_place_merge_and_split(cluster):
     compare_greedy(long.token_ids, *reference_for(LONG, 8))
 
     computed = prompt_tokens(cluster)
-    rep, during, started_on = in_place_during(cluster, "split", "tp-split", "--group", "worker-1", "--in-place")
-    assert started_on == ["worker-0", "worker-0"], started_on  # the merged instance is rank 0
+    d = change_during(cluster, "split", "tp-split", "--group", "worker-1", "--in-place")
+    rep = d.report
+    assert d.started_on == ["worker-0", "worker-0"], d.started_on  # the merged instance is rank 0
     assert rep["completed"] and rep["mode"] == "in-place" and rep["op"] == "tp-split", rep
     assert sorted(i["members"] for i in rep["after"]) == [["worker-0"], ["worker-1"]], rep
-    assert sorted(r.worker_id for r in during) == MEMBERS  # shared between the whole instances: one moved
+    assert sorted(r.worker_id for r in d.results) == MEMBERS  # shared between the whole instances: one moved
     assert moves(cluster, "split") == [("worker-0", "worker-1")]
-    for prompt, res in zip(PROMPTS, during, strict=True):
+    for prompt, res in zip(PROMPTS, d.results, strict=True):
         check_against_reference(prompt, res.token_ids, len(res.token_ids))
     assert prompt_tokens(cluster) == computed + sum(map(len, PROMPTS))
     assert {w: tp_members(cluster, w) for w in MEMBERS} == {w: [w] for w in MEMBERS}
