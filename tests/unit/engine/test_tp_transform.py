@@ -81,6 +81,19 @@ def step_until(engine: Engine, tokens: Tokens, done: Callable[[], bool], limit: 
     raise AssertionError("the engine did not get there in time")
 
 
+def decoding_engines(cfg: ModelConfig, weights: Weights, degree: int) -> tuple[list[Engine], dict[str, list[int]], Tokens]:
+    """`degree` whole engines, each with two requests (`prompts(m)`) a few tokens into their decode."""
+    engines = [Engine(cfg, weights, num_kv_blocks=BLOCKS, block_size=BLOCK, scheduler_config=SCHED) for _ in range(degree)]
+    requests: dict[str, list[int]] = {}
+    tokens = Tokens()
+    for m, e in enumerate(engines):
+        for i, p in enumerate(prompts(m)):
+            requests[f"m{m}-r{i}"] = p
+            e.add_request(EngineRequest(f"m{m}-r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
+        step_until(e, tokens, tokens.at_least(3, e.seqs))
+    return engines, requests, tokens
+
+
 def on_threads(degree: int, fn: Callable[[int], object]) -> list[object]:
     """fn(rank) on one thread per rank; re-raises the first failure."""
     out: list[object] = [None] * degree
@@ -264,14 +277,7 @@ def test_a_member_failing_mid_move_heals_every_member_to_whole_with_its_requests
     torch.set_num_threads(1)
     cfg, weights = model("tiny")
     degree = 2
-    engines = [Engine(cfg, weights, num_kv_blocks=BLOCKS, block_size=BLOCK, scheduler_config=SCHED) for _ in range(degree)]
-    requests: dict[str, list[int]] = {}
-    tokens = Tokens()
-    for m, e in enumerate(engines):
-        for i, p in enumerate(prompts(m)):
-            requests[f"m{m}-r{i}"] = p
-            e.add_request(EngineRequest(f"m{m}-r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
-        step_until(e, tokens, tokens.at_least(3, e.seqs))
+    engines, requests, tokens = decoding_engines(cfg, weights, degree)
     port = free_port()
     groups: list[TPGroup] = on_threads(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=3, rendezvous_timeout_s=60))  # type: ignore[assignment]
 
@@ -319,14 +325,7 @@ def test_a_member_that_cannot_build_its_shard_makes_every_member_heal_and_none_o
     torch.set_num_threads(1)
     cfg, weights = model("tiny")
     degree = 2
-    engines = [Engine(cfg, weights, num_kv_blocks=BLOCKS, block_size=BLOCK, scheduler_config=SCHED) for _ in range(degree)]
-    requests: dict[str, list[int]] = {}
-    tokens = Tokens()
-    for m, e in enumerate(engines):
-        for i, p in enumerate(prompts(m)):
-            requests[f"m{m}-r{i}"] = p
-            e.add_request(EngineRequest(f"m{m}-r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
-        step_until(e, tokens, tokens.at_least(3, e.seqs))
+    engines, requests, tokens = decoding_engines(cfg, weights, degree)
 
     def no_memory(*args, **kwargs):
         raise MemoryError("injected: no memory for the shard")
