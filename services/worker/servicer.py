@@ -568,15 +568,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()  # the service's log context, for the split a follower thread starts
         try:
-            report = await self.in_place.merge(membership)
+            report = await self.in_place.merge(membership, self._follower_ended)
         except Exception as exc:  # refused, healed or never met: whole, as before (tp_in_place.py)
             self.log.error("tensor_parallel_in_place_failed", op="scale-up", members=list(new.members),
                            error=f"{type(exc).__name__}: {exc}", now="whole instance")
             self._end_reform()
             return
         self.tp = membership
-        if membership.follower is not None:
-            membership.follower.on_end = self._follower_ended
         membership.start(self.engine)
         self._end_reform()
         self.log.info("tensor_parallel_in_place_done", op="scale-up", role=membership.describe(),

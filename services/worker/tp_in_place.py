@@ -60,10 +60,11 @@ class InPlaceTP:
         self.log = get_logger()
 
     # -- scale-up -------------------------------------------------------------------------------------------
-    async def merge(self, membership: TPMembership) -> TransformReport:
+    async def merge(self, membership: TPMembership,
+                    on_follower_end: Callable[[TPFollower], None] | None = None) -> TransformReport:
         """This worker's part of a scale-up into `membership` (its group not formed yet). On success the membership
-        has its group and role (not started: the caller starts it); ValueError / InstanceBroken / RuntimeError leave
-        the worker whole (see the module docstring)."""
+        has its group and role (not started: the caller starts it; a follower calls `on_follower_end` when its loop
+        ends); ValueError / InstanceBroken / RuntimeError leave the worker whole (see the module docstring)."""
         rank, degree = membership.rank, membership.degree
         whole = self.instance.source
         shard_source = sharded_source(whole, rank, degree)
@@ -102,7 +103,8 @@ class InPlaceTP:
         if rank > 0:
             if group.broken is None:
                 self.handover.hand_over({rid: membership.members[0] for rid in report.moved if self.owns_stream(rid)})
-            membership.follower = TPFollower(group, self.engine_loop.engine, self.engine_loop.num_threads)
+            membership.follower = TPFollower(group, self.engine_loop.engine, self.engine_loop.num_threads,
+                                             on_end=on_follower_end)
         return report
 
     # -- scale-down -----------------------------------------------------------------------------------------
