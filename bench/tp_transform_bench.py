@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import functools
 import random
-import socket
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +37,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kunserve.shared.engine.api import EngineRequest, SamplingParams, TokenEvent
+from kunserve.benchkit.tp_members import TokenLog, free_port, on_ranks
+from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine, SchedulerConfig
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader
@@ -96,56 +94,6 @@ def cases(quick: bool) -> list[Case]:
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _on_threads(degree: int, fn: Callable[[int], Any]) -> list[Any]:
-    """fn(rank) on one thread per rank (as each member would in its own worker); re-raises the first failure."""
-    out: list[Any] = [None] * degree
-    errors: list[BaseException] = []
-
-    def run(r: int) -> None:
-        torch.set_num_threads(1)
-        try:
-            out[r] = fn(r)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(degree)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(THREAD_TIMEOUT_S)
-        if t.is_alive():
-            raise RuntimeError("a member of the transformation hangs")
-    if errors:
-        raise errors[0]
-    return out
-
-
-class Tokens:
-    """Every request's tokens as the engines emit them, wherever it runs; a lost or repeated token is an error."""
-
-    def __init__(self) -> None:
-        self.by_request: dict[str, list[int]] = {}
-        self.finished: set[str] = set()
-
-    def add(self, events: list[TokenEvent]) -> None:
-        for e in events:
-            if e.token_id < 0:
-                raise RuntimeError(f"request {e.request_id} failed: {e}")
-            got = self.by_request.setdefault(e.request_id, [])
-            if e.index != len(got):
-                raise RuntimeError(f"{e.request_id}: token {e.index} after {len(got)} (a token re-emitted or lost)")
-            got.append(e.token_id)
-            if e.finish_reason.name != "NONE":
-                self.finished.add(e.request_id)
-
-
 def _prompts(cfg: ModelConfig, blocks: int, share: float, member: int, seed: int) -> list[list[int]]:
     """REQUESTS_PER_MEMBER prompts that together fill about `share` of `blocks` once prefilled: each ends half a
     block into its last block, so a few decode steps allocate no new block."""
@@ -155,7 +103,7 @@ def _prompts(cfg: ModelConfig, blocks: int, share: float, member: int, seed: int
     return [[rng.randrange(3, min(cfg.vocab_size, 256)) for _ in range(b * BLOCK - BLOCK // 2)] for b in per]
 
 
-def _mean_step_ms(engine: Engine, tokens: Tokens, steps: int) -> float:
+def _mean_step_ms(engine: Engine, tokens: TokenLog, steps: int) -> float:
     """The mean of `steps` steps after one untimed step (the first after a change allocates its buffers)."""
     tokens.add(engine.step())
     t0 = time.perf_counter()
@@ -164,7 +112,7 @@ def _mean_step_ms(engine: Engine, tokens: Tokens, steps: int) -> float:
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
-def _check_tokens(cfg: ModelConfig, weights: Weights, prompts: dict[str, list[int]], tokens: Tokens) -> dict[str, int]:
+def _check_tokens(cfg: ModelConfig, weights: Weights, prompts: dict[str, list[int]], tokens: TokenLog) -> dict[str, int]:
     """Each request's tokens against the dense reference, teacher-forced (tests/oracle.py's rule)."""
     out = {"equal": 0, "near-tie": 0, "differs": 0}
     for rid, prompt in prompts.items():
@@ -194,7 +142,7 @@ def _row(
     engines = [i.engine for i in insts]
     num_blocks = engines[0].kv.num_blocks
     max_tokens = 2 * (steps + 1) + 4  # the first token, 1 + `steps` whole, 1 + `steps` merged, a few after the split
-    tokens = Tokens()
+    tokens = TokenLog()
     prompts: dict[str, list[int]] = {}
     for m, e in enumerate(engines):
         for i, p in enumerate(_prompts(cfg, num_blocks, share, m, seed)):
@@ -207,7 +155,7 @@ def _row(
     used = [e.allocator.num_used for e in engines]
     mapped_before = sum(i.pool.mapped_count for i in insts)
     shard_cfg = shard_config(cfg, degree)
-    up: list[TransformReport] = _on_threads(degree, lambda r: scale_up(engines[r], groups[r], shard_cfg, shards[r]))
+    up: list[TransformReport] = on_ranks(degree, lambda r: scale_up(engines[r], groups[r], shard_cfg, shards[r]), THREAD_TIMEOUT_S)
     mapped_merged = sum(i.pool.mapped_count for i in insts)
     leader = TPLeader(groups[0])
     leader.attach(engines[0])
@@ -223,7 +171,9 @@ def _row(
     broken = [f.broken for f in followers if f.broken]
     if broken:
         raise RuntimeError(f"a follower broke: {broken[0]}")
-    down: list[TransformReport] = _on_threads(degree, lambda r: scale_down(engines[r], groups[r], cfg, insts[r].layout.weights()))
+    down: list[TransformReport] = on_ranks(
+        degree, lambda r: scale_down(engines[r], groups[r], cfg, insts[r].layout.weights()), THREAD_TIMEOUT_S
+    )
     mapped_after = sum(i.pool.mapped_count for i in insts)
     for e in engines:
         while e.has_work():
@@ -275,8 +225,8 @@ def _warm_up(case: Case, degree: int, insts: list[PooledInstance], groups: list[
     """One untimed merge and split of the empty engines, so the first row does not pay the group's first use."""
     cfg = case.source.config
     shard_cfg = shard_config(cfg, degree)
-    _on_threads(degree, lambda r: scale_up(insts[r].engine, groups[r], shard_cfg, shards[r]))
-    _on_threads(degree, lambda r: scale_down(insts[r].engine, groups[r], cfg, insts[r].layout.weights()))
+    on_ranks(degree, lambda r: scale_up(insts[r].engine, groups[r], shard_cfg, shards[r]), THREAD_TIMEOUT_S)
+    on_ranks(degree, lambda r: scale_down(insts[r].engine, groups[r], cfg, insts[r].layout.weights()), THREAD_TIMEOUT_S)
 
 
 def run_transform(quick: bool = False, steps: int | None = None, seed: int = 0) -> dict[str, Any]:
@@ -306,8 +256,8 @@ def run_transform(quick: bool = False, steps: int | None = None, seed: int = 0) 
                                 keep_host_copy=False,
                             )
                         )
-                    port = _free_port()
-                    groups = _on_threads(degree, functools.partial(_join_group, degree, port))
+                    port = free_port()
+                    groups = on_ranks(degree, functools.partial(_join_group, degree, port), THREAD_TIMEOUT_S)
                     _warm_up(case, degree, insts, groups, shards)
                     for share in case.fills:
                         rows.append(_row(case, degree, share, insts, groups, weights, shards, steps, seed))

@@ -5,16 +5,15 @@ on its own thread over a real gloo group (as it would in its own worker process)
 
 from __future__ import annotations
 
-import socket
-import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import pytest
 import torch
 from engine_testing import TP4_CONFIG
 from oracle import compare_greedy
 
-from kunserve.shared.engine.api import EngineRequest, InvalidRequest, SamplingParams, TokenEvent
+from kunserve.benchkit.tp_members import TokenLog, free_port, on_ranks
+from kunserve.shared.engine.api import EngineRequest, InvalidRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine, InstanceBroken, SchedulerConfig
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader
@@ -32,12 +31,6 @@ SCHED = SchedulerConfig(max_num_batched_tokens=64)
 MAX_TOKENS = 32
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def model(name: str) -> tuple[ModelConfig, Weights]:
     if name == "tiny":
         src = load_model_source(None)
@@ -51,29 +44,7 @@ def prompts(member: int) -> list[list[int]]:
     return [list(range(base, base + 9 + 5 * member)), list(range(base + 3, base + 30 + 3 * member))]
 
 
-class Tokens:
-    """Every request's tokens as the engines emit them, wherever it runs."""
-
-    def __init__(self) -> None:
-        self.by_request: dict[str, list[int]] = {}
-        self.finished: set[str] = set()
-
-    def add(self, events: list[TokenEvent]) -> None:
-        for e in events:
-            assert e.token_id >= 0, f"{e.request_id} failed: {e}"
-            got = self.by_request.setdefault(e.request_id, [])
-            assert e.index == len(got), f"{e.request_id}: token {e.index} after {len(got)} (a token re-emitted or lost)"
-            got.append(e.token_id)
-            if e.finish_reason.name != "NONE":
-                self.finished.add(e.request_id)
-
-    def at_least(self, n: int, ids: Iterable[str]) -> Callable[[], bool]:
-        """Every request of `ids` not finished yet has `n` tokens."""
-        ids = list(ids)
-        return lambda: all(len(self.by_request.get(rid, [])) >= n for rid in ids if rid not in self.finished)
-
-
-def step_until(engine: Engine, tokens: Tokens, done: Callable[[], bool], limit: int = 400) -> None:
+def step_until(engine: Engine, tokens: TokenLog, done: Callable[[], bool], limit: int = 400) -> None:
     for _ in range(limit):
         if done() or not engine.has_work():
             return
@@ -81,11 +52,11 @@ def step_until(engine: Engine, tokens: Tokens, done: Callable[[], bool], limit: 
     raise AssertionError("the engine did not get there in time")
 
 
-def decoding_engines(cfg: ModelConfig, weights: Weights, degree: int) -> tuple[list[Engine], dict[str, list[int]], Tokens]:
+def decoding_engines(cfg: ModelConfig, weights: Weights, degree: int) -> tuple[list[Engine], dict[str, list[int]], TokenLog]:
     """`degree` whole engines, each with two requests (`prompts(m)`) a few tokens into their decode."""
     engines = [Engine(cfg, weights, num_kv_blocks=BLOCKS, block_size=BLOCK, scheduler_config=SCHED) for _ in range(degree)]
     requests: dict[str, list[int]] = {}
-    tokens = Tokens()
+    tokens = TokenLog()
     for m, e in enumerate(engines):
         for i, p in enumerate(prompts(m)):
             requests[f"m{m}-r{i}"] = p
@@ -94,26 +65,20 @@ def decoding_engines(cfg: ModelConfig, weights: Weights, degree: int) -> tuple[l
     return engines, requests, tokens
 
 
-def on_threads(degree: int, fn: Callable[[int], object]) -> list[object]:
-    """fn(rank) on one thread per rank; re-raises the first failure."""
-    out: list[object] = [None] * degree
-    errors: list[BaseException] = []
-
-    def run(r: int) -> None:
-        try:
-            out[r] = fn(r)
-        except BaseException as exc:  # noqa: BLE001 - reported to the test below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(degree)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-        assert not t.is_alive(), "a member hangs"
-    if errors:
-        raise errors[0]
-    return out
+def decode_merged(groups: list, engines: list[Engine], tokens: TokenLog, done: Callable[[], bool],
+                  leader: TPLeader | None = None) -> TPLeader:
+    """Rank 0 steps the merged instance until `done` while the other ranks follow its plans on their threads, then
+    stops them (STOP). Returns rank 0's leader, attached once: give it back to decode again."""
+    if leader is None:
+        leader = TPLeader(groups[0])
+        leader.attach(engines[0])
+    followers = [TPFollower(g, e) for g, e in zip(groups[1:], engines[1:], strict=True)]
+    for f in followers:
+        f.start()
+    step_until(engines[0], tokens, done)
+    leader.stop()
+    assert all(f.join(30) and f.stopped for f in followers)
+    return leader
 
 
 @pytest.mark.parametrize("name,degree", [("tiny", 2), ("kv4", 4)], ids=["tiny-tp2", "kv4-tp4"])
@@ -131,7 +96,7 @@ def test_requests_live_through_a_scale_up_and_a_scale_down_mid_decode(name, degr
             rid = f"m{m}-r{i}"
             requests[rid] = p
             e.add_request(EngineRequest(rid, p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
-    tokens = Tokens()
+    tokens = TokenLog()
     for e in engines:  # every request prefilled and a few tokens into its decode
         step_until(e, tokens, tokens.at_least(3, e.seqs))
     assert all(len(tokens.by_request.get(rid, [])) >= 3 for rid in requests)
@@ -143,8 +108,8 @@ def test_requests_live_through_a_scale_up_and_a_scale_down_mid_decode(name, degr
         engines[0].validate(long_req)
 
     port = free_port()
-    groups = on_threads(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=60, rendezvous_timeout_s=60))
-    reports = on_threads(degree, lambda r: scale_up(engines[r], groups[r], shard_cfg, shard_weights(weights, r, degree),
+    groups = on_ranks(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=60, rendezvous_timeout_s=60))
+    reports = on_ranks(degree, lambda r: scale_up(engines[r], groups[r], shard_cfg, shard_weights(weights, r, degree),
                                                     max_phase_subblocks=3))
     up: list[TransformReport] = reports  # type: ignore[assignment]
     assert up[0].requests == 2 * degree and all(r.requests == 0 for r in up[1:])
@@ -152,22 +117,15 @@ def test_requests_live_through_a_scale_up_and_a_scale_down_mid_decode(name, degr
     assert all(r.blocks_after == BLOCKS * degree for r in up)  # the same pages hold degree x the blocks
     assert all(r.sent_subblocks > 0 and r.received_subblocks > 0 for r in up)
     assert all(e.safepoint_every == 0 and e.kv_checkpoint is None for e in engines)
-    leader = TPLeader(groups[0])
-    leader.attach(engines[0])
-    followers = [TPFollower(groups[r], engines[r]) for r in range(1, degree)]
-    for f in followers:
-        f.start()
     e0 = engines[0]
     assert not e0.kv_landing and len(e0.seqs) == 2 * degree
-    step_until(e0, tokens, tokens.at_least(7, requests))  # every request decodes on the TP instance with the KV it had
+    # every request decodes on the TP instance with the KV it had
+    leader = decode_merged(groups, engines, tokens, tokens.at_least(7, requests))
     e0.validate(long_req)
     e0.add_request(long_req)
-    step_until(e0, tokens, lambda: "long" in tokens.finished)
-
+    decode_merged(groups, engines, tokens, lambda: "long" in tokens.finished, leader)
     assert not tokens.finished & set(requests)  # the others still decode: the split comes mid-decode
-    leader.stop()
-    assert all(f.join(30) and f.stopped for f in followers)
-    down: list[TransformReport] = on_threads(degree, lambda r: scale_down(engines[r], groups[r], cfg, weights))  # type: ignore[assignment]
+    down: list[TransformReport] = on_ranks(degree, lambda r: scale_down(engines[r], groups[r], cfg, weights))  # type: ignore[assignment]
     assert sum(r.requests for r in down) == 2 * degree
     assert all(r.blocks_after == BLOCKS for r in down)
     for g in groups:
@@ -189,28 +147,18 @@ def test_a_split_the_whole_instances_cannot_hold_is_refused_and_changes_nothing(
     degree = 2
     engines = [Engine(cfg, weights, num_kv_blocks=BLOCKS, block_size=BLOCK, scheduler_config=SCHED) for _ in range(degree)]
     port = free_port()
-    groups = on_threads(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=60, rendezvous_timeout_s=60))
-    on_threads(degree, lambda r: scale_up(engines[r], groups[r], shard_config(cfg, degree), shard_weights(weights, r, degree)))
+    groups = on_ranks(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=60, rendezvous_timeout_s=60))
+    on_ranks(degree, lambda r: scale_up(engines[r], groups[r], shard_config(cfg, degree), shard_weights(weights, r, degree)))
     e0 = engines[0]
     long_prompt = list(range(7, 7 + BLOCKS * BLOCK + 20))
     e0.add_request(EngineRequest("long", long_prompt, SamplingParams(max_tokens=30, ignore_eos=True)))
-    leader = TPLeader(groups[0])
-    leader.attach(e0)
-    follower = TPFollower(groups[1], engines[1])
-    follower.start()
-    tokens = Tokens()
-    step_until(e0, tokens, tokens.at_least(2, ["long"]))
-    leader.stop()
-    assert follower.join(30)
+    tokens = TokenLog()
+    leader = decode_merged(groups, engines, tokens, tokens.at_least(2, ["long"]))
     with pytest.raises(ValueError, match="do not fit 2 whole instances"):
-        on_threads(degree, lambda r: scale_down(engines[r], groups[r], cfg, weights))
+        on_ranks(degree, lambda r: scale_down(engines[r], groups[r], cfg, weights))
     # nothing changed: the instance resumes at TP2 and finishes the request with the reference's tokens
     assert e0.kv.kv_heads_per_block == cfg.num_kv_heads // degree and list(e0.seqs) == ["long"]
-    follower = TPFollower(groups[1], engines[1])
-    follower.start()
-    step_until(e0, tokens, lambda: "long" in tokens.finished)
-    leader.stop()
-    assert follower.join(30)
+    decode_merged(groups, engines, tokens, lambda: "long" in tokens.finished, leader)
     for g in groups:
         g.close()  # type: ignore[attr-defined]
     ref, margins = reference_greedy(cfg, weights, long_prompt, 30)
@@ -228,7 +176,7 @@ def test_pooled_instances_change_parallelism_in_place_with_no_page_mapped_or_rel
                             backend="host", scheduler_config=SCHED) for _ in range(degree)]
     try:
         engines = [i.engine for i in insts]
-        tokens = Tokens()
+        tokens = TokenLog()
         requests = {}
         for m, e in enumerate(engines):
             for i, p in enumerate(prompts(m)):
@@ -239,23 +187,17 @@ def test_pooled_instances_change_parallelism_in_place_with_no_page_mapped_or_rel
         mapped = [i.pool.mapped_count for i in insts]
         blocks = [e.kv.num_blocks for e in engines]
         port = free_port()
-        groups = on_threads(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=60, rendezvous_timeout_s=60))
+        groups = on_ranks(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=60, rendezvous_timeout_s=60))
         shard_cfg = shard_config(cfg, degree)
-        up: list[TransformReport] = on_threads(  # type: ignore[assignment]
+        up: list[TransformReport] = on_ranks(  # type: ignore[assignment]
             degree, lambda r: scale_up(engines[r], groups[r], shard_cfg, shard_weights(weights, r, degree), max_phase_subblocks=4)
         )
         assert [i.pool.mapped_count for i in insts] == mapped
         assert all(e.kv.num_blocks >= degree * b for e, b in zip(engines, blocks, strict=True))
         block_bytes = insts[0].layout.kv_spec.block_bytes  # a sub-block's, after the split
         assert all(r.staging_bytes <= 2 * 4 * block_bytes for r in up)  # one phase: at most 4 received + 4 sent
-        leader = TPLeader(groups[0])
-        leader.attach(engines[0])
-        follower = TPFollower(groups[1], engines[1])
-        follower.start()
-        step_until(engines[0], tokens, tokens.at_least(8, requests))
-        leader.stop()
-        assert follower.join(30)
-        on_threads(degree, lambda r: scale_down(engines[r], groups[r], cfg, insts[r].layout.weights()))
+        decode_merged(groups, engines, tokens, tokens.at_least(8, requests))
+        on_ranks(degree, lambda r: scale_down(engines[r], groups[r], cfg, insts[r].layout.weights()))
         for g in groups:
             g.close()  # type: ignore[attr-defined]
         assert [i.pool.mapped_count for i in insts] == mapped and [e.kv.num_blocks for e in engines] == blocks
@@ -279,25 +221,19 @@ def test_a_member_failing_mid_move_heals_every_member_to_whole_with_its_requests
     degree = 2
     engines, requests, tokens = decoding_engines(cfg, weights, degree)
     port = free_port()
-    groups: list[TPGroup] = on_threads(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=3, rendezvous_timeout_s=60))  # type: ignore[assignment]
+    groups: list[TPGroup] = on_ranks(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=3, rendezvous_timeout_s=60))  # type: ignore[assignment]
 
     def broken_exchange(*args, **kwargs):
         raise InstanceBroken("injected: rank 1 stopped taking part")
 
     if op == "scale-down":
-        on_threads(degree, lambda r: scale_up(engines[r], groups[r], shard_config(cfg, degree), shard_weights(weights, r, degree)))
-        leader = TPLeader(groups[0])
-        leader.attach(engines[0])
-        follower = TPFollower(groups[1], engines[1])
-        follower.start()
-        step_until(engines[0], tokens, tokens.at_least(6, requests))
-        leader.stop()
-        assert follower.join(30)
+        on_ranks(degree, lambda r: scale_up(engines[r], groups[r], shard_config(cfg, degree), shard_weights(weights, r, degree)))
+        decode_merged(groups, engines, tokens, tokens.at_least(6, requests))
         transform = lambda r: scale_down(engines[r], groups[r], cfg, weights)  # noqa: E731
     else:
         transform = lambda r: scale_up(engines[r], groups[r], shard_config(cfg, degree), shard_weights(weights, r, degree))  # noqa: E731
     groups[1].exchange = broken_exchange  # type: ignore[method-assign]
-    outcomes = on_threads(degree, lambda r: _outcome(transform, r))
+    outcomes = on_ranks(degree, lambda r: _outcome(transform, r))
     assert all(isinstance(o, InstanceBroken) and "healed" in str(o) for o in outcomes), outcomes
     for g in groups:
         g.close()
@@ -332,13 +268,13 @@ def test_a_member_that_cannot_build_its_shard_makes_every_member_heal_and_none_o
 
     engines[1].shard_runner = no_memory  # type: ignore[method-assign]
     port = free_port()
-    groups: list[TPGroup] = on_threads(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=30, rendezvous_timeout_s=60))  # type: ignore[assignment]
+    groups: list[TPGroup] = on_ranks(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=30, rendezvous_timeout_s=60))  # type: ignore[assignment]
     shard_cfg = shard_config(cfg, degree)
 
     def up(r: int) -> TransformReport:
         return scale_up(engines[r], groups[r], shard_cfg, shard_weights(weights, r, degree))
 
-    outcomes = on_threads(degree, lambda r: _outcome(up, r))
+    outcomes = on_ranks(degree, lambda r: _outcome(up, r))
     assert all(isinstance(o, InstanceBroken) and "healed" in str(o) for o in outcomes), outcomes
     for g in groups:
         g.close()
@@ -359,14 +295,14 @@ def test_a_check_failing_on_one_member_refuses_on_every_member_and_changes_nothi
     cfg, weights = model("tiny")
     swap = SchedulerConfig(max_num_batched_tokens=64, preemption="swap")
     engines = [Engine(cfg, weights, num_kv_blocks=BLOCKS, block_size=BLOCK, scheduler_config=c) for c in (SCHED, swap)]
-    tokens = Tokens()
+    tokens = TokenLog()
     for m, e in enumerate(engines):
         e.add_request(EngineRequest(f"m{m}", prompts(m)[0], SamplingParams(max_tokens=8, ignore_eos=True)))
         step_until(e, tokens, tokens.at_least(2, e.seqs))
     port = free_port()
-    groups: list[TPGroup] = on_threads(2, lambda r: TPGroup(r, 2, "127.0.0.1", port, timeout_s=30, rendezvous_timeout_s=60))  # type: ignore[assignment]
+    groups: list[TPGroup] = on_ranks(2, lambda r: TPGroup(r, 2, "127.0.0.1", port, timeout_s=30, rendezvous_timeout_s=60))  # type: ignore[assignment]
     shard_cfg = shard_config(cfg, 2)
-    outcomes = on_threads(2, lambda r: _refusal(lambda: scale_up(engines[r], groups[r], shard_cfg, shard_weights(weights, r, 2))))
+    outcomes = on_ranks(2, lambda r: _refusal(lambda: scale_up(engines[r], groups[r], shard_cfg, shard_weights(weights, r, 2))))
     assert all(isinstance(o, ValueError) and "rank 1: it preempts by swapping" in str(o) for o in outcomes), outcomes
     for g in groups:
         g.close()
