@@ -182,6 +182,11 @@ def check_split(worker_id: str, known: Sequence[str], found: Mapping[str, TPWork
     return i.tp_members
 
 
+def all_whole(members: Sequence[str], now: Mapping[str, TPWorker]) -> bool:
+    """Every member reports itself a serving whole instance."""
+    return all(w in now and now[w].tp_degree == 1 and now[w].serving for w in members)
+
+
 def instance_pb(members: Sequence[str], w: TPWorker | None) -> memory_manager_pb2.TPInstance:
     blocks = w.kv_blocks if w is not None else 0
     return memory_manager_pb2.TPInstance(members=list(members), kv_blocks=blocks, kv_tokens=blocks * (w.block_size if w is not None else 0))
@@ -366,9 +371,9 @@ class TPReformer:
     async def _split_in_place(self, members: Sequence[str], report: memory_manager_pb2.TPReport,
                               cold_fallback: bool = True) -> bool:
         """Ask rank 0 for an in-place split (it takes the followers with it) and wait until every member serves alone.
-        False when the split is to go on cold: the instance was formed cold (its members hold their shards only), it
-        refused (its requests do not fit the whole instances: `report.error` says so and the instance serves on), or
-        it did not end in time."""
+        False when the split is to go on cold: the instance was formed cold (its members hold their shards only; with
+        `cold_fallback`) or it did not end in time. FAILED_PRECONDITION when rank 0 refused (its requests do not fit
+        the whole instances) and serves on as the instance."""
         try:
             await self._stub(members[0]).ReformTP(self._reform([members[0]], 0, in_place=True), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -378,19 +383,18 @@ class TPReformer:
             report.mode = "cold"
             return False
 
-        def whole(now: Mapping[str, TPWorker]) -> bool:
-            return all(w in now and now[w].tp_degree == 1 and now[w].serving for w in members)
+        last: list[Mapping[str, TPWorker]] = []
 
         def settled(now: Mapping[str, TPWorker]) -> bool:  # whole, or back to the instance (the split was refused)
-            return whole(now) or (members[0] in now and now[members[0]].tp_degree > 1 and now[members[0]].serving)
+            last[:] = [now]
+            return all_whole(members, now) or (members[0] in now and now[members[0]].tp_degree > 1 and now[members[0]].serving)
 
-        await asyncio.sleep(POLL_S)  # rank 0 stops serving at once; give it a poll before reading `settled`
+        # rank 0 stopped serving before it answered (it is re-forming), so `settled` cannot see the instance as it was
         if not await self._wait(members, settled, self.timeout_s):
             report.error = f"the in-place split did not end within {self.timeout_s:g}s; splitting cold"
             report.mode = "cold"
             return False
-        now = await self._infos(members, wait=False)
-        if whole(now):
+        if all_whole(members, last[0]):
             return True
         raise OrchestrationError("FAILED_PRECONDITION", f"the in-place split of {members[0]}'s instance was refused (its "
                                  "running requests do not fit the whole instances: see the worker's log); it serves on")
@@ -400,9 +404,6 @@ class TPReformer:
         poll: one that is stopping or restarting answers later) until each serves alone, or timeout_s."""
         asked: dict[str, float] = {}
         head, followers = members[0], list(members[1:])
-
-        def whole(now: Mapping[str, TPWorker]) -> bool:
-            return all(w in now and now[w].tp_degree == 1 and now[w].serving for w in members)
 
         async def ask(now: Mapping[str, TPWorker]) -> None:
             # the followers once rank 0 has left the instance (it stops them cleanly on its way out)
@@ -416,7 +417,7 @@ class TPReformer:
                 asked[w] = time.monotonic()
             await self._each(late, lambda w, stub: stub.ReformTP(self._reform([w], 0), timeout=self.timeout_s))
 
-        return await self._wait(members, whole, timeout_s, ask)
+        return await self._wait(members, lambda now: all_whole(members, now), timeout_s, ask)
 
     async def _failed(
         self, report: memory_manager_pb2.TPReport, members: Sequence[str], error: str, t0: float

@@ -80,7 +80,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._transition_timeout_s = transition_timeout_s
         # Streams of requests that move between workers (a transition's, an in-place TP change's): one per process.
         self.handover = StreamHandover(self.streams, engine_loop, transition_timeout_s)
-        self.in_place = InPlaceTP(identity.worker_id, engine_loop, instance, self.handover, lambda rid: rid in self.streams)
+        self.in_place = InPlaceTP(engine_loop, instance, self.handover, lambda rid: rid in self.streams)
         self.reform_in_place = False  # `reform` is an in-place change under way (no re-exec follows)
         self._loop: asyncio.AbstractEventLoop | None = None  # the service's, for a follower thread's SPLIT
         self._context = contextvars.copy_context()
@@ -564,7 +564,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         defaults = TensorParallelSection()
         host = new.host or self.identity.address.rsplit(":", 1)[0]
         membership = TPMembership(-1, new.rank, new.members, host, new.port, defaults.timeout_s,
-                                  new.rendezvous_timeout_s or defaults.rendezvous_timeout_s)
+                                  new.rendezvous_timeout_s or defaults.rendezvous_timeout_s, whole=self.instance.source,
+                                  in_place=True)
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()  # the service's log context, for the split a follower thread starts
         try:
@@ -598,9 +599,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _follower_split_in_place(self) -> None:
         tp = self.tp
-        assert tp is not None
+        assert tp is not None and tp.group is not None
+        group = tp.group  # refused, it follows rank 0 again over the same group
         await self._split_outcome(tp, self.in_place.follower_split(tp),
-                                  lambda: tp.follow_again(self.engine.engine, self.engine.num_threads, self._follower_ended))
+                                  lambda: tp.follow(group, self.engine.engine, self.engine.num_threads, self._follower_ended))
 
     async def _split_outcome(self, tp: TPMembership, part: Awaitable[TransformReport], refused: Callable[[], None]) -> None:
         """This member's part of an in-place split, and what follows (tp_in_place.py): refused (ValueError) -> the

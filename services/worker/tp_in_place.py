@@ -30,7 +30,7 @@ from collections.abc import Callable
 from kunserve.shared.engine.engine import Engine, InstanceBroken
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
-from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader
+from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup
 from kunserve.shared.engine.tp_transform import TransformReport, check_split, scale_down, scale_up
 from kunserve.shared.log import get_logger
 from kunserve.shared.model.tp_shard import sharded_source
@@ -50,9 +50,8 @@ class InPlaceTP:
     model's weights throughout: a member computes on a copy of its shard (loaded at the scale-up), so a split needs
     no weight moved."""
 
-    def __init__(self, worker_id: str, engine_loop: EngineLoop, instance: PooledInstance, handover: StreamHandover,
+    def __init__(self, engine_loop: EngineLoop, instance: PooledInstance, handover: StreamHandover,
                  owns_stream: Callable[[str], bool]) -> None:
-        self.worker_id = worker_id
         self.engine_loop = engine_loop
         self.instance = instance
         self.handover = handover
@@ -66,8 +65,7 @@ class InPlaceTP:
         has its group and role (not started: the caller starts it; a follower calls `on_follower_end` when its loop
         ends); ValueError / InstanceBroken / RuntimeError leave the worker whole (see the module docstring)."""
         rank, degree = membership.rank, membership.degree
-        whole = self.instance.source
-        shard_source = sharded_source(whole, rank, degree)
+        shard_source = sharded_source(self.instance.source, rank, degree)
         shard = await asyncio.to_thread(shard_source.load_weights)
         group = await asyncio.to_thread(TPGroup, rank, degree, membership.host, membership.port,
                                         timeout_s=membership.timeout_s,
@@ -80,8 +78,7 @@ class InPlaceTP:
             report = scale_up(engine, group, shard_source.config, shard)
             committed.append(report)
             if rank == 0:  # before anything else can fail: a broken group then stops the engine (InstanceBroken)
-                membership.leader = TPLeader(group)
-                membership.leader.attach(engine)
+                membership.lead(group, engine)
                 self._receive_from_engine_thread(report.moved, loop)
             group.barrier()  # rank 0's buffered streams are open before any follower says moved_to
             return report
@@ -97,14 +94,10 @@ class InPlaceTP:
             group.broken = group.broken or f"in-place scale-up failed after its commit: {type(exc).__name__}: {exc}"
             self.log.error("tensor_parallel_in_place_broken", error=group.broken)
             report = committed[0]
-        membership.group = group
-        membership.whole = whole
-        membership.in_place = True
         if rank > 0:
             if group.broken is None:
                 self.handover.hand_over({rid: membership.members[0] for rid in report.moved if self.owns_stream(rid)})
-            membership.follower = TPFollower(group, self.engine_loop.engine, self.engine_loop.num_threads,
-                                             on_end=on_follower_end)
+            membership.follow(group, self.engine_loop.engine, self.engine_loop.num_threads, on_follower_end)
         return report
 
     # -- scale-down -----------------------------------------------------------------------------------------
@@ -112,31 +105,33 @@ class InPlaceTP:
         """Rank 0's part of splitting its in-place instance back into whole ones: SPLIT to the followers, then
         `scale_down` with them; the streams of the requests that left end with moved_to their new worker.
 
-        Raises ValueError when refused before SPLIT went out (nothing changed: the instance goes on over the same
-        group), InstanceBroken when this worker is a whole instance again but the split did not complete (healed
-        by `scale_down`, or committed with a hand-over that could not finish: the streams of the requests that left
-        then end as lost, so the dispatcher resumes them), SplitBroken when its state is not known (the worker must
-        exit and start again). The membership's tasks are cancelled; its group is closed unless refused."""
+        Raises ValueError when refused, before SPLIT went out or by every member's checks in `scale_down` (nothing
+        changed: the instance goes on over the same group), InstanceBroken when this worker is a whole instance
+        again but the split did not complete (healed by `scale_down`, or committed with a hand-over that could not
+        finish: the streams of the requests that left then end as lost, so the dispatcher resumes them), SplitBroken
+        when its state is not known (the worker must exit and start again). The membership's tasks are cancelled;
+        its group is closed unless refused."""
         assert membership.leader is not None and membership.group is not None
         leader, group = membership.leader, membership.group
         membership.cancel_tasks()
-        stage: list[str] = []  # "split": SPLIT went out; "committed": scale_down returned
+        announced: list[bool] = []  # SPLIT went out
+        committed: list[TransformReport] = []  # scale_down returned
 
         def on_engine(engine: Engine) -> TransformReport:
             check_split(engine, membership.degree)  # refused here, the followers never stop following
-            stage.append("split")
+            announced.append(True)
             leader.split()
             report = scale_down(engine, group, self.instance.cfg, self.instance.layout.weights())
-            stage.append("committed")
             committed.append(report)
             group.barrier()  # every follower's buffered streams are open before rank 0 says moved_to
             return report
 
-        committed: list[TransformReport] = []
         try:
             report = await asyncio.wrap_future(self.engine_loop.call(on_engine))
+        except ValueError:
+            raise  # refused (before SPLIT, or by scale_down on every member): nothing changed
         except Exception as exc:
-            if not stage:
+            if not announced:
                 raise ValueError(str(exc)) from exc  # nothing sent, nothing changed: as a refusal
             group.close()
             if committed:

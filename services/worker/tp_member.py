@@ -108,10 +108,21 @@ class TPMembership:
             self.group.close()
             raise
         if self.is_leader:
-            self.leader = TPLeader(self.group)
-            self.leader.attach(engine)
+            self.lead(self.group, engine)
         else:
-            self.follower = TPFollower(self.group, engine, threads)
+            self.follow(self.group, engine, threads)
+
+    def lead(self, group: TPGroup, engine: Engine) -> None:
+        """Rank 0's role over `group`: the leader of its engine's steps (engine thread, nothing computing)."""
+        self.group = group
+        self.leader = TPLeader(group)
+        self.leader.attach(engine)
+
+    def follow(self, group: TPGroup, engine: Engine, threads: int,
+               on_end: Callable[[TPFollower], None] | None = None) -> None:
+        """A follower's role over `group` (its loop runs once started: `start`); `on_end` is called when it ends."""
+        self.group = group
+        self.follower = TPFollower(group, engine, threads, on_end=on_end)
 
     # -- serving ---------------------------------------------------------------------------------------------
     def broken(self, engine_loop: EngineLoop) -> str | None:
@@ -151,11 +162,6 @@ class TPMembership:
                 self.exited_broken = True
                 os.kill(os.getpid(), signal.SIGTERM)  # the service's graceful stop; main() exits with EXIT_BROKEN
                 return
-
-    def follow_again(self, engine: Engine, threads: int, on_end: Callable[[TPFollower], None]) -> None:
-        """A follower whose split was refused follows rank 0 again over the same group (start() runs the loop)."""
-        assert self.group is not None
-        self.follower = TPFollower(self.group, engine, threads, on_end=on_end)
 
     def cancel_tasks(self) -> None:
         """At shutdown or before an in-place split, on the event loop: no more heartbeats or watching."""

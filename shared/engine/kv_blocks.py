@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kunserve.shared.engine.api import EngineRequest
 
 
 class BlockAllocatorError(RuntimeError):
@@ -101,6 +105,11 @@ class BlockAllocator:
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """Blocks that hold num_tokens tokens (ceil division)."""
     return -(-num_tokens // block_size)
+
+
+def life_blocks(request: EngineRequest, block_size: int) -> int:
+    """Blocks a request holds at its longest: prompt + max_tokens - 1 tokens (the last sampled token gets no KV)."""
+    return blocks_needed(len(request.prompt_token_ids) + request.sampling.max_tokens - 1, block_size)
 
 
 class BlockTable:

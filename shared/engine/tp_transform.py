@@ -61,7 +61,7 @@ import torch
 
 from kunserve.shared.engine.api import SeqSnapshot
 from kunserve.shared.engine.engine import Engine, InstanceBroken
-from kunserve.shared.engine.kv_blocks import blocks_needed
+from kunserve.shared.engine.kv_blocks import life_blocks
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.tensor_parallel import TPGroup
 from kunserve.shared.memory import kv_head_split, kv_layout
@@ -131,20 +131,14 @@ def _ids(slots: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(slots, dtype=torch.long, device=device)
 
 
-def whole_life_blocks(s: SeqSnapshot, block_size: int) -> int:
-    """The blocks a request holds at its longest (prompt + max_tokens, the last sampled token needing no KV), or now
-    when it already holds more."""
-    return max(len(s.blocks), blocks_needed(len(s.request.prompt_token_ids) + s.request.sampling.max_tokens - 1,
-                                            block_size))
-
-
 def split_assignment(snaps: Sequence[SeqSnapshot], degree: int, whole_blocks: int, block_size: int) -> dict[str, int]:
     """Request id -> the member that keeps it after a split into `degree` whole instances of `whole_blocks` blocks,
     each request sized at its whole life (Algorithm 2 splits once the requests fit the smaller instances: one that
     would outgrow its whole instance must not be split onto one). ValueError when they do not fit."""
     try:
-        return kv_head_split.assign_requests({s.request.request_id: whole_life_blocks(s, block_size) for s in snaps},
-                                             degree, whole_blocks)
+        # each request sized at its whole life, never below the blocks it holds
+        sizes = {s.request.request_id: max(len(s.blocks), life_blocks(s.request, block_size)) for s in snaps}
+        return kv_head_split.assign_requests(sizes, degree, whole_blocks)
     except ValueError as exc:
         raise ValueError(f"the TP{degree} instance's requests do not fit {degree} whole instances of {whole_blocks} "
                          f"blocks at their whole life: {exc}") from None

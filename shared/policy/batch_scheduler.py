@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kunserve.shared.engine.api import EngineRequest, EngineStats, InvalidRequest
-from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable, blocks_needed
+from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable, blocks_needed, life_blocks
 from kunserve.shared.policy.costmodel import BatchShape
 from kunserve.shared.policy.microbatch import WorkItem
 
@@ -572,8 +572,7 @@ class Scheduler:
         return self._fits_whole_life(seq)
 
     def _life_blocks(self, seq: Sequence) -> int:
-        r = seq.request
-        return blocks_needed(len(r.prompt_token_ids) + r.sampling.max_tokens - 1, self.block_size)
+        return life_blocks(seq.request, self.block_size)
 
     def _fits_whole_life(self, seq: Sequence, spare: int = 0) -> bool:
         """Queue-only admission: blocks for its whole life fit in the free blocks (plus `spare`) beside the future
