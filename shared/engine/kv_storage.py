@@ -78,10 +78,7 @@ class TorchKVStorage:
         heads = first.shape[2]
         if degree < 2 or heads % degree:
             raise ValueError(f"degree {degree}: a head split needs a degree >= 2 that divides the {heads} KV heads per block")
-        for layer, cache in self._caches.items():
-            phys = kv_layout.physical_view(cache)
-            self._caches[layer] = kv_layout.logical_view(phys.view(phys.shape[0] * degree, heads // degree, *phys.shape[2:]))
-        self._num_blocks *= degree
+        self._regroup(self._num_blocks * degree, heads // degree)
 
     def merge_kv_heads(self, degree: int) -> None:
         """The inverse of `split_kv_heads`: read every layer's blocks at `degree` times the heads, in place; sub-blocks
@@ -94,7 +91,13 @@ class TorchKVStorage:
         whole = sub_blocks // degree if degree >= 2 else 0
         if whole < 1:
             raise ValueError(f"degree {degree}: a head merge needs a degree >= 2 and at least {degree} sub-blocks, got {sub_blocks}")
+        self._regroup(whole, heads * degree)
+
+    def _regroup(self, num_blocks: int, heads: int) -> None:
+        """Read every layer's bytes as `num_blocks` blocks of `heads` heads (header-centric: a block is its heads one
+        after another), from the start; no byte moves."""
         for layer, cache in self._caches.items():
-            phys = kv_layout.physical_view(cache)[: whole * degree]
-            self._caches[layer] = kv_layout.logical_view(phys.view(whole, heads * degree, *phys.shape[2:]))
-        self._num_blocks = whole
+            phys = kv_layout.physical_view(cache)
+            per_head = phys.flatten(0, 1)[: num_blocks * heads]
+            self._caches[layer] = kv_layout.logical_view(per_head.view(num_blocks, heads, *phys.shape[2:]))
+        self._num_blocks = num_blocks
