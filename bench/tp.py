@@ -4,9 +4,10 @@ transformation of running engines costs.
 
 Printed as tables and written as JSON (`--out`: "padding", "mixed" with `--mixed`, "transform" with `--transform`):
 
-padding — pure arithmetic with the layout the pool would use (shared/model/tp_padding.py): for each model shape
-          shipped with the simulator (kunserve/sim/models/*) and the embedded one, the MLP's gate, up and down
-          matrices stored as four page-aligned shards (the TP1/2/4 split points), at the CUDA pool's 2 MiB pages
+padding — pure arithmetic with the layout the pool uses with `padded_mlp` (shared/model/tp_padding.py): for each
+          model shape shipped with the simulator (kunserve/sim/models/*) and the embedded one, the MLP's gate, up
+          and down^T rows of each of four shards (the TP1/2/4 split points) side by side in one page-aligned unit,
+          at the CUDA pool's 2 MiB pages
           and at a 64 KiB page. Reported: the bytes the gaps add per layer, as a share of the layer's MLP and of
           its whole weights (attention included), beside what the paper's Eq. 2 row padding (each shard rounded to
           a whole number of page-sized rows) would add, and the pages one member releases in place when a TP1
@@ -109,10 +110,12 @@ def _row_padding_bytes(layout: FFNShardLayout) -> int:
 def padding_row(cfg: ModelConfig, page: int) -> dict[str, Any]:
     size = _itemsize(cfg)
     layout = FFNShardLayout(cfg.intermediate_size, cfg.hidden_size, size, page)
+    # the pool's unit per shard: gate, up and down^T rows side by side, R x 3*hidden (tp_padding.shards_shape)
+    units = FFNShardLayout(cfg.intermediate_size, 3 * cfg.hidden_size, size, page)
     mlp_bytes, layer_bytes = _layer_weight_bytes(cfg)
-    gap = 3 * layout.padding_bytes
+    gap = units.padding_bytes
     rows = 3 * _row_padding_bytes(layout)
-    per_shard_pages = layout.stride_bytes // page
+    per_shard_pages = units.stride_bytes // page
     return {
         "model": cfg.name,
         "dtype": cfg.dtype,
@@ -127,9 +130,9 @@ def padding_row(cfg: ModelConfig, page: int) -> dict[str, Any]:
         "eq2_row_bytes_per_layer": rows,
         "eq2_row_share_of_mlp": rows / mlp_bytes,
         # one member's MLP pages released in place per layer, TP1 -> TP2 and TP1 -> TP4 (three matrices)
-        "released_pages_tp2": 3 * per_shard_pages * (SHARDS - SHARDS // 2),
-        "released_pages_tp4": 3 * per_shard_pages * (SHARDS - SHARDS // 4),
-        "released_bytes_tp2_all_layers": 3 * per_shard_pages * (SHARDS - SHARDS // 2) * page * cfg.num_layers,
+        "released_pages_tp2": per_shard_pages * (SHARDS - SHARDS // 2),
+        "released_pages_tp4": per_shard_pages * (SHARDS - SHARDS // 4),
+        "released_bytes_tp2_all_layers": per_shard_pages * (SHARDS - SHARDS // 2) * page * cfg.num_layers,
     }
 
 
@@ -144,7 +147,7 @@ def padding_rows() -> list[dict[str, Any]]:
 
 
 def print_padding(rows: list[dict[str, Any]]) -> None:
-    t = Table(title="Page-aligned MLP shards (4 per matrix: the TP1/2/4 split points); per layer")
+    t = Table(title="Page-aligned MLP shards (4 units of gate, up, down^T: the TP1/2/4 split points); per layer")
     for col in (
         "model",
         "dtype",

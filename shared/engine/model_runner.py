@@ -23,9 +23,9 @@ from kunserve.shared.engine import cpu_kernels
 from kunserve.shared.engine.attention import Attention, AttentionMetadata, TorchPagedAttention, make_attention
 from kunserve.shared.engine.kv_storage import KVStorage
 from kunserve.shared.engine.safepoint import Safepoint
-from kunserve.shared.model import rope
+from kunserve.shared.model import rope, tp_padding
 from kunserve.shared.model.architecture import ModelConfig
-from kunserve.shared.model.pool_placement import GATE_UP, PANELS, QKV
+from kunserve.shared.model.pool_placement import FFN_SHARDS, GATE_UP, PANELS, QKV
 from kunserve.shared.model.weights import Weights
 
 
@@ -55,14 +55,42 @@ class _Linear:
         return F.linear(x, self.w, self.b)
 
 
+class _MLP:
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matrix; `fused`: SiLU * up in one pass."""
+
+    __slots__ = ("gate_up", "down", "fused")
+
+    def __init__(self, gate_up: _Linear, down: _Linear, fused: bool) -> None:
+        self.gate_up, self.down, self.fused = gate_up, down, fused
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up(h)
+        if self.fused:
+            return self.down(cpu_kernels.silu_mul(gu))
+        inter = gu.shape[-1] // 2
+        return self.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+
+
+class _ShardedMLP:
+    """The same MLP over the pool's page-aligned shards (`FFN_SHARDS`, tp_padding.py: `[n, 3, R, hidden]`, the
+    shards this runner keeps): each shard's partial output, summed."""
+
+    __slots__ = ("units",)
+
+    def __init__(self, units: torch.Tensor) -> None:
+        self.units = units
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return tp_padding.swiglu_shards(h, self.units)
+
+
 @dataclass(slots=True)
 class _Layer:
-    """One decoder layer's weights, with q/k/v and gate/up fused into single matrices."""
+    """One decoder layer's weights, with q/k/v fused into one matrix."""
 
     qkv: _Linear
     o: _Linear
-    gate_up: _Linear
-    down: _Linear
+    mlp: _MLP | _ShardedMLP
     ln1: torch.Tensor
     ln2: torch.Tensor
 
@@ -126,15 +154,19 @@ class ModelRunner:
                 qkv_b = (w(p + QKV + ".bias") if p + QKV + ".bias" in weights else
                          torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
                                     w(p + "self_attn.v_proj.bias")]))
+            mlp: _MLP | _ShardedMLP
+            if p + FFN_SHARDS in weights:
+                mlp = _ShardedMLP(w(p + FFN_SHARDS))
+            else:
+                mlp = _MLP(linear(p + GATE_UP + ".weight", 2 * cfg.intermediate_size,
+                                  (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+                           linear(p + "mlp.down_proj.weight", h), self.fused)
             self.layers[i] = _Layer(
                 qkv=linear(p + QKV + ".weight", qkv_rows, tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv"),
                            qkv_b),
                 o=linear(p + "self_attn.o_proj.weight", h,
                          bias=w(p + "self_attn.o_proj.bias") if cfg.o_bias else None),
-                gate_up=linear(p + GATE_UP + ".weight", 2 * cfg.intermediate_size,
-                               (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
-                down=linear(p + "mlp.down_proj.weight", h),
-                ln1=w(p + "input_layernorm.weight"), ln2=w(p + "post_attention_layernorm.weight"))
+                mlp=mlp, ln1=w(p + "input_layernorm.weight"), ln2=w(p + "post_attention_layernorm.weight"))
         self.embed: torch.Tensor | None = w("model.embed_tokens.weight") if self.is_first else None
         self.norm: torch.Tensor | None = None
         self.lm_head: _Linear | None = None
@@ -218,7 +250,7 @@ class ModelRunner:
                 a = L.o(o.reshape(T, nq))
                 h = cpu_kernels.add_rms_norm(x, a if self.reduce is None else self.reduce(a), L.ln2,
                                              cfg.rms_norm_eps)  # x += a
-                m = L.down(cpu_kernels.silu_mul(L.gate_up(h)))
+                m = L.mlp(h)
                 x += m if self.reduce is None else self.reduce(m)
                 continue
             # rotate q and k heads in one go: [T, H + KVH, d]
@@ -229,9 +261,7 @@ class ModelRunner:
             a = L.o(o.reshape(T, nq))
             x = x + (a if self.reduce is None else self.reduce(a))
             h = self._rms(x, L.ln2)
-            gu = L.gate_up(h)
-            inter = gu.shape[-1] // 2
-            m = L.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+            m = L.mlp(h)
             x = x + (m if self.reduce is None else self.reduce(m))
         if not self.is_last:
             return x

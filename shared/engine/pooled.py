@@ -13,6 +13,7 @@ Every method must run on the engine thread (EngineLoop.call): nothing may comput
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +25,10 @@ from kunserve.shared.log import get_logger
 from kunserve.shared.memory import create_pool
 from kunserve.shared.memory.errors import KVCapacityError, MemoryPoolError
 from kunserve.shared.memory.layer_memory import RemapResult
-from kunserve.shared.model.pool_placement import build_model_layout, fused_source
-from kunserve.shared.model.weights import ModelSource
+from kunserve.shared.model.pool_placement import FFN_SHARDS, PANELS, build_model_layout, fused_source
+from kunserve.shared.model.tp_padding import shards_of
+from kunserve.shared.model.tp_shard import shard_stored_attention
+from kunserve.shared.model.weights import ModelSource, Weights
 from kunserve.shared.policy.batch_scheduler import SchedulerConfig, TokenBudget
 
 WEIGHT_SOURCES = ("host", "checkpoint")
@@ -50,7 +53,7 @@ class PooledInstance:
     def __init__(self, source: ModelSource, *, layer_range: tuple[int, int], pool_bytes: int, page_size: int,
                  block_size: int, backend: str = "auto", device: str = "cpu",
                  scheduler_config: SchedulerConfig | None = None, budget: TokenBudget | None = None,
-                 keep_host_copy: bool = True) -> None:
+                 keep_host_copy: bool = True, padded_mlp: bool = False) -> None:
         self.source = source
         self.cfg = source.config
         self.device = device
@@ -58,7 +61,7 @@ class PooledInstance:
         self.pool = create_pool(backend, pool_bytes=pool_bytes, page_size=page_size, **placement)
         try:
             self.layout = build_model_layout(self.pool, self.cfg, layer_range, block_size,
-                                             source.load_weights(layer_range))
+                                             source.load_weights(layer_range), padded_mlp=padded_mlp)
         except BaseException:
             self.pool.close()
             raise
@@ -202,6 +205,52 @@ class PooledInstance:
         """The engine computes over what the worker now holds (views of the pages; after every remap and
         every fill of restored arenas)."""
         self.engine.use_weights(self.layout.weights(), self.layer_range)
+
+    # -- in-place tensor-parallel changes (tp_transform.MemberWeights) -----------------------------------
+    @property
+    def padded_mlp(self) -> bool:
+        """The pool holds the MLP in page-aligned shards: a TP member releases the others' pages in place."""
+        return self.layout.shard_count > 0
+
+    def shard(self, rank: int, degree: int) -> Weights:
+        """What rank `rank` of TP`degree` computes on: views of the pool's replicated tensors and of the MLP shards
+        it keeps, and copies of its heads' attention weights (cut from the pool's; Gyges keeps attention whole)."""
+        keep = self._keep(rank, degree)
+        stored = self.layout.weights()
+        weights = {k: v for k, v in stored.items() if not k.endswith(FFN_SHARDS)}
+        cut = shard_stored_attention(stored, self.cfg, rank, degree)
+        for name in cut:
+            weights.pop(name + PANELS, None)
+        weights.update(cut)
+        weights.update(self.layout.shard_views(keep))
+        self.layout.release_views()  # the layout's own all-shard views must not pin the pages being released
+        return weights
+
+    def commit_shard(self, rank: int, degree: int) -> None:
+        """After the scale-up committed: the MLP shards this member no longer computes on go to its KV, in place."""
+        result = self.layout.release_shards(self._keep(rank, degree))
+        get_logger().info("tp_shards_released", rank=rank, degree=degree, pages=result.pages_unmapped,
+                          kv_blocks=result.new_num_blocks)
+
+    def whole_blocks(self, blocks: int, degree: int) -> int:
+        """Whole blocks once the released shards are back (blocks // degree when none is released)."""
+        if not self.padded_mlp or self.layout.kept_shards == range(self.layout.shard_count):
+            return blocks // degree
+        pages = self.layout.plan_shard_reclaim().kv_pages_per_layer
+        return pages * self.pool.page_size // (self.layout.block_bytes * degree)
+
+    def whole(self, used: Collection[int]) -> Weights:
+        """The whole model's views, the released shards taken back from the KV tails and refilled from the host copy
+        (else the checkpoint) first."""
+        if self.padded_mlp and self.layout.kept_shards != range(self.layout.shard_count):
+            source = self.host_copy if self.host_copy is not None else fused_source(self.source.load_weights(self.layer_range))
+            result = self.layout.reclaim_shards(source, used_block_ids=used)
+            get_logger().info("tp_shards_reclaimed", pages=result.pages_mapped, kv_blocks=result.new_num_blocks,
+                              fill_s=round(result.fill_seconds, 4))
+        return self.layout.weights()
+
+    def _keep(self, rank: int, degree: int) -> range:
+        return shards_of(rank, degree, self.layout.shard_count)
 
     def close(self) -> None:
         self.engine.release_weights()

@@ -44,8 +44,16 @@ member keeps its own requests, after a failed scale-down rank 0 keeps all of the
 a whole instance, or the assignment would have refused); a member that died takes its own with it (in a cluster their
 streams end and the dispatcher resumes them elsewhere).
 
-Weights are the caller's: the shard each member keeps for a scale-up (`tp_shard.shard_weights`), the whole model's
-for a scale-down. **What differs from Gyges.** The transformation runs between two iterations of the instance
+**Weights** (`MemberWeights`). Given as plain tensors (`FixedWeights`: the shard each member keeps for a scale-up,
+`tp_shard.shard_weights`, the whole model's for a scale-down) they live apart from the KV and nothing is released.
+A pooled instance whose pool holds the MLP in page-aligned shards (`pooled.PooledInstance(padded_mlp=True)`, Gyges
+§4.2) is its own `MemberWeights`: its member computes on views of the shards it keeps, and once the scale-up has
+committed the pool releases the other shards' pages to the KV in place (no weight copy; the merged instance holds more
+KV than its members did whole); a scale-down sizes the whole instances at the capacity they will have with their
+shards back, gathers the KV below it, and takes the pages back from the KV tails and refills those shards before the
+vote. **What differs from Gyges.** The MLP pages are released at the commit, after the KV moves (which need no free
+page: they stay inside the blocks already mapped), not first; a scale-down refills a member's shards from its own
+host copy (or the checkpoint), not from its peers.  The transformation runs between two iterations of the instance
 (every request changes parallelism at once, between two of its tokens), not overlapped layer by layer with the
 computation in reversed layer order; so the order of the layers does not matter here and is the natural one. The
 KV moves over the instance's process group (gloo: point-to-point sends), not the transfer service.
@@ -54,8 +62,9 @@ KV moves over the instance's process group (gloo: point-to-point sends), not the
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -91,40 +100,93 @@ class TransformReport:
     moved: dict[str, int] = field(default_factory=dict)  # request id -> its new owner's rank, for those whose owner changed
 
 
+class MemberWeights(Protocol):
+    """What one member computes on around a TP change and the memory behind it (module docstring, "Weights")."""
+
+    def shard(self, rank: int, degree: int) -> Weights:
+        """The weights rank `rank` of a TP`degree` instance computes on (built before the vote; nothing changes)."""
+        ...
+
+    def commit_shard(self, rank: int, degree: int) -> None:
+        """After the scale-up committed (the engine computes on `shard`): release what the shard no longer needs."""
+        ...
+
+    def whole_blocks(self, blocks: int, degree: int) -> int:
+        """Whole KV blocks this member will hold after a scale-down, its storage now holding `blocks` sub-blocks."""
+        ...
+
+    def whole(self, used: Collection[int]) -> Weights:
+        """The whole model's weights, anything released taken back first (idempotent). `used`: the sub-blocks whose
+        KV must stay (each below `whole_blocks * degree`)."""
+        ...
+
+
+@dataclass(frozen=True)
+class FixedWeights:
+    """Weights held apart from the KV: nothing is released or taken back."""
+
+    shard_weights: Weights | None = None
+    whole_weights: Weights | None = None
+
+    def shard(self, rank: int, degree: int) -> Weights:
+        assert self.shard_weights is not None, "no shard weights given"
+        return self.shard_weights
+
+    def commit_shard(self, rank: int, degree: int) -> None:
+        return None
+
+    def whole_blocks(self, blocks: int, degree: int) -> int:
+        return blocks // degree  # a tail too short for a whole block is dropped by the merge
+
+    def whole(self, used: Collection[int]) -> Weights:
+        assert self.whole_weights is not None, "no whole weights given"
+        return self.whole_weights
+
+
 def run_moves(group: TPGroup, engine: Engine, phases: Sequence[Sequence[SubBlockMove]]) -> tuple[int, int, int]:
     """Run sub-block moves on every layer this engine holds, layer by layer and phase by phase: per phase, read every
     source this member has (for its peers and for itself), exchange with the peers, then write every destination.
     Slots count sub-blocks of the storage as it is read now. Returns (sent, received, peak staging bytes) per layer."""
-    me = group.rank
     sent = received = peak = 0
     for layer in range(engine.runner.start, engine.runner.end):
         phys = kv_layout.physical_view(engine.kv.layer_cache(layer))
-        sub_bytes = phys[0].numel() * phys.element_size()
-        for tag, phase in enumerate(phases):
-            out_slots: dict[int, list[int]] = {}
-            in_slots: dict[int, list[int]] = {}
-            for mv in phase:
-                if mv.src == me:
-                    out_slots.setdefault(mv.dst, []).append(mv.src_slot)
-                if mv.dst == me:
-                    in_slots.setdefault(mv.src, []).append(mv.dst_slot)
-            if not out_slots and not in_slots:
-                continue
-            staged = {p: phys.index_select(0, _ids(s, phys.device)).cpu().contiguous() for p, s in out_slots.items()}
-            local = staged.pop(me, None)
-            recvs = {p: torch.empty((len(s), *phys.shape[1:]), dtype=phys.dtype) for p, s in in_slots.items() if p != me}
-            group.exchange(staged, recvs, tag=tag)
-            for p, t in recvs.items():
-                phys.index_copy_(0, _ids(in_slots[p], phys.device), t.to(phys.device))
-            if local is not None:
-                phys.index_copy_(0, _ids(in_slots[me], phys.device), local.to(phys.device))
-            n_out = sum(len(s) for p, s in out_slots.items() if p != me)
-            n_in = sum(len(s) for s in in_slots.values())
-            if layer == engine.runner.start:
-                sent += n_out
-                received += n_in - len(in_slots.get(me, ()))
-            peak = max(peak, (n_out + n_in) * sub_bytes)
+        try:
+            # the storage's cached views may have been made by a forward pass: inference tensors
+            with torch.inference_mode():
+                for tag, phase in enumerate(phases):
+                    n_out, n_in, n_self = _move_phase(group, phys, phase, tag)
+                    if layer == engine.runner.start:
+                        sent += n_out
+                        received += n_in - n_self
+                    peak = max(peak, (n_out + n_in) * phys[0].numel() * phys.element_size())
+        finally:
+            del phys  # a failure's traceback must not pin the KV pages a heal may unmap
     return sent, received, peak
+
+
+def _move_phase(group: TPGroup, phys: torch.Tensor, phase: Sequence[SubBlockMove], tag: int) -> tuple[int, int, int]:
+    """One phase of one layer: read this member's sources, exchange with the peers, write its destinations. Returns
+    the sub-blocks sent to peers, received in all, and moved within this member."""
+    me = group.rank
+    out_slots: dict[int, list[int]] = {}
+    in_slots: dict[int, list[int]] = {}
+    for mv in phase:
+        if mv.src == me:
+            out_slots.setdefault(mv.dst, []).append(mv.src_slot)
+        if mv.dst == me:
+            in_slots.setdefault(mv.src, []).append(mv.dst_slot)
+    if not out_slots and not in_slots:
+        return 0, 0, 0
+    staged = {p: phys.index_select(0, _ids(s, phys.device)).cpu().contiguous() for p, s in out_slots.items()}
+    local = staged.pop(me, None)
+    recvs = {p: torch.empty((len(s), *phys.shape[1:]), dtype=phys.dtype) for p, s in in_slots.items() if p != me}
+    group.exchange(staged, recvs, tag=tag)
+    for p, t in recvs.items():
+        phys.index_copy_(0, _ids(in_slots[p], phys.device), t.to(phys.device))
+    if local is not None:
+        phys.index_copy_(0, _ids(in_slots[me], phys.device), local.to(phys.device))
+    return (sum(len(s) for p, s in out_slots.items() if p != me), sum(len(s) for s in in_slots.values()),
+            len(in_slots.get(me, ())))
 
 
 def _ids(slots: list[int], device: torch.device) -> torch.Tensor:
@@ -144,10 +206,11 @@ def split_assignment(snaps: Sequence[SeqSnapshot], degree: int, whole_blocks: in
                          f"blocks at their whole life: {exc}") from None
 
 
-def check_split(engine: Engine, degree: int) -> None:
+def check_split(engine: Engine, degree: int, weights: MemberWeights | None = None) -> None:
     """ValueError when this TP instance's requests (rank 0's engine) would not fit `degree` whole instances: what
     `scale_down` would refuse, asked before the followers are told to split (engine thread)."""
-    split_assignment(engine.snapshot(), degree, engine.kv.num_blocks // degree, engine.block_size)
+    whole_blocks = (weights or FixedWeights()).whole_blocks(engine.kv.num_blocks, degree)
+    split_assignment(engine.snapshot(), degree, whole_blocks, engine.block_size)
 
 
 def _recomputed(s: SeqSnapshot) -> SeqSnapshot:
@@ -181,14 +244,14 @@ def _agree(group: TPGroup, op: str, error: str) -> None:
 
 
 def _move_then_vote(group: TPGroup, engine: Engine, phases: Sequence[Sequence[SubBlockMove]], cfg: ModelConfig,
-                    weights: Weights) -> tuple[int, int, int, ModelRunner]:
+                    weights: Callable[[], Weights]) -> tuple[int, int, int, ModelRunner]:
     """The moves, then this member's runner for what it becomes, then the vote: every member ready, or every member
     raises (a member that cannot answer raises InstanceBroken), so none commits alone."""
     sent, received, peak = run_moves(group, engine, phases)
     runner: ModelRunner | None = None
     why: Exception | None = None
     try:
-        runner = engine.shard_runner(cfg, weights)
+        runner = engine.shard_runner(cfg, weights())
     except Exception as exc:  # noqa: BLE001 - reported through the vote
         why = exc
     if not all(group.all_gather_int(int(runner is not None))):
@@ -197,13 +260,20 @@ def _move_then_vote(group: TPGroup, engine: Engine, phases: Sequence[Sequence[Su
     return sent, received, peak, runner
 
 
-def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weights, *,
+def _member(weights: Weights | MemberWeights, *, as_shard: bool) -> MemberWeights:
+    if isinstance(weights, Mapping):
+        return FixedWeights(weights, None) if as_shard else FixedWeights(None, weights)
+    return weights
+
+
+def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weights | MemberWeights, *,
              max_phase_subblocks: int = DEFAULT_PHASE_SUBBLOCKS) -> TransformReport:
     """This member's part of merging `group.degree` whole engines into one TP instance (module docstring). Every
-    member's engine must be whole, idle between iterations, with the same block count; `shard_cfg` / `shard` are
-    this rank's shard of the model."""
+    member's engine must be whole, idle between iterations, with the same block count; `shard_cfg` is this rank's
+    shard of the model and `shard` its weights (or what gives them: "Weights" in the module docstring)."""
     t0 = time.monotonic()
     degree, me = group.degree, group.rank
+    member = _member(shard, as_shard=True)
     whole_heads = engine.kv.kv_heads_per_block
     error = _local_error(engine)
     if not error and shard_cfg.num_kv_heads * degree != whole_heads:
@@ -229,7 +299,8 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
         engine.kv.merge_kv_heads(degree)
         raise ValueError(f"members have different sub-block counts {sub_counts} (by rank) after the head split")
     try:
-        sent, received, peak, runner = _move_then_vote(group, engine, plan.phases, shard_cfg, shard)
+        sent, received, peak, runner = _move_then_vote(group, engine, plan.phases, shard_cfg,
+                                                       lambda: member.shard(me, degree))
     except Exception as exc:  # a member died, hung or failed before the commit: this member's KV is not trusted
         engine.kv.merge_kv_heads(degree)
         engine.become_whole(mine, recompute=True)
@@ -244,18 +315,21 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
                                          s.num_preemptions))
         owned.sort(key=lambda s: s.request.arrival_time)
     engine.change_shard(runner, owned, tensor_parallel=True)
+    member.commit_shard(me, degree)
+    engine.sync_kv_capacity()
     moved = {s.request.request_id: 0 for m, snaps in enumerate(everyone) if m != 0 for s in snaps}
     return TransformReport("scale-up", me, degree, len(owned), len(moved), sent, received, peak, blocks_before,
                            engine.kv.num_blocks, time.monotonic() - t0, moved)
 
 
-def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: Weights) -> TransformReport:
+def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: Weights | MemberWeights) -> TransformReport:
     """This member's part of splitting its TP instance into `group.degree` whole engines (module docstring).
     ValueError, with nothing changed on any member, when the instance's requests cannot fit the whole instances."""
     t0 = time.monotonic()
     degree, me = group.degree, group.rank
+    member = _member(whole, as_shard=False)
     blocks_before = engine.kv.num_blocks
-    whole_blocks = blocks_before // degree  # a tail too short for a whole block is dropped by the merge
+    whole_blocks = member.whole_blocks(blocks_before, degree)
     error = _local_error(engine)
     if not error and engine.kv.kv_heads_per_block * degree != whole_cfg.num_kv_heads:
         error = (f"its blocks hold {engine.kv.kv_heads_per_block} KV heads; TP{degree} of a model of "
@@ -270,12 +344,15 @@ def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: We
     owners = {b: assignment[s.request.request_id] for s in snaps for b in s.blocks}
     plan = kv_head_split.plan_head_gather(owners, whole_blocks, whole_cfg.num_kv_heads, degree, blocks_before)
     mine = [s for s in snaps if assignment[s.request.request_id] == me]
+    kept_subblocks = [w * degree + j for w in plan.block_maps[me].values() for j in range(degree)]
     try:
-        sent, received, peak, runner = _move_then_vote(group, engine, [plan.moves], whole_cfg, whole)
+        sent, received, peak, runner = _move_then_vote(group, engine, [plan.moves], whole_cfg,
+                                                       lambda: member.whole(kept_subblocks))
     except Exception as exc:  # a member died, hung or failed mid-move: whole again, rank 0 with every request recomputed
         kept = [_recomputed(s) for s in snaps] if me == 0 else []  # where their streams are: nothing moved yet
+        weights = member.whole(())
         engine.kv.merge_kv_heads(degree)
-        engine.change_shard(engine.shard_runner(whole_cfg, whole), kept, tensor_parallel=False)
+        engine.change_shard(engine.shard_runner(whole_cfg, weights), kept, tensor_parallel=False)
         raise _healed("scale-down", me, degree, len(kept), exc) from exc
     engine.kv.merge_kv_heads(degree)
     owned = [SeqSnapshot(s.request, list(s.generated), s.num_computed, [plan.block_maps[me][b] for b in s.blocks],

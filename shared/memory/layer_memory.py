@@ -71,13 +71,28 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    # > 0: dim 0 is this many shards, each starting on a page boundary in the arena (Gyges §4.2's padding: a
+    # tensor-parallel member keeps some shards and the others' pages are released in place, `release_shards`)
+    page_shards: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.page_shards < 0 or (self.page_shards and (not self.shape or self.shape[0] != self.page_shards)):
+            raise ValueError(f"{self.name}: page_shards {self.page_shards} must be 0 or the size of dim 0 of "
+                             f"{self.shape}")
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * _itemsize(self.dtype)
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes of one shard (dim 0's index) of a sharded tensor."""
+        return self.nbytes // max(self.page_shards, 1)
+
+    def shard_stride(self, page_size: int) -> int:
+        """Bytes from one shard's start to the next's: a shard rounded up to whole pages."""
+        return -(-self.shard_bytes // page_size) * page_size
 
 
 @dataclass(frozen=True)
@@ -149,9 +164,10 @@ class CapacityPlan:
 
 @dataclass(frozen=True)
 class RemapResult:
-    """What a drop or restore did; `seconds` is the remap itself, `fill_seconds` the weight copy."""
+    """What a drop or restore (or a TP member's shard release or reclaim) did; `seconds` is the remap itself,
+    `fill_seconds` the weight copy."""
 
-    op: Literal["drop", "restore"]
+    op: Literal["drop", "restore", "release", "reclaim"]
     layers: tuple[int, ...]
     layer_start: int
     layer_end: int
@@ -193,11 +209,20 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def pack_tensors(specs: Sequence[TensorSpec], align: int = TENSOR_ALIGN) -> tuple[list[int], int]:
-    """Byte offsets of `specs` packed in order, each aligned to `align`; and the total size."""
+def pack_tensors(specs: Sequence[TensorSpec], align: int = TENSOR_ALIGN,
+                 page_size: int | None = None) -> tuple[list[int], int]:
+    """Byte offsets of `specs` packed in order, each aligned to `align` (a sharded one's shards each to a page
+    boundary of `page_size`, one `shard_stride` apart); and the total size."""
     offsets: list[int] = []
     pos = 0
     for s in specs:
+        if s.page_shards:
+            if not page_size:
+                raise ValueError(f"{s.name} is page-sharded: packing it needs the page size")
+            pos = -(-pos // page_size) * page_size
+            offsets.append(pos)
+            pos += s.shard_stride(page_size) * s.page_shards
+            continue
         pos = -(-pos // align) * align
         offsets.append(pos)
         pos += s.nbytes
@@ -206,7 +231,7 @@ def pack_tensors(specs: Sequence[TensorSpec], align: int = TENSOR_ALIGN) -> tupl
 
 def arena_pages(specs: Sequence[TensorSpec], page_size: int) -> int:
     """Whole pages the packed `specs` occupy (0 for no bytes)."""
-    _, total = pack_tensors(specs)
+    _, total = pack_tensors(specs, page_size=page_size)
     return -(-total // page_size)
 
 
@@ -297,6 +322,7 @@ class LayerMemoryLayout:
         self._kv_cache: dict[int, torch.Tensor] = {}
         self._spec_cache: dict[int, tuple[TensorSpec, ...]] = {}
         self._k = 0
+        self._released: range | None = None  # the shards kept while the others' pages are released
         self.generation = 0
 
         plan = self._plan(layer_start, layer_end)
@@ -350,7 +376,8 @@ class LayerMemoryLayout:
 
     @property
     def weight_pages(self) -> int:
-        return sum(a.num_pages for a in self._arenas())
+        """Pages mapped under weights (released shards' pages are not)."""
+        return sum(a.vr.mapped_count() for a in self._arenas())
 
     @property
     def held_groups(self) -> list[str]:
@@ -367,11 +394,12 @@ class LayerMemoryLayout:
     def _groups_for(self, start: int, end: int) -> list[str]:
         return [n for n, g in self.groups.items() if g.held_for(start, end, self.num_layers_model)]
 
-    def _plan(self, start: int, end: int) -> CapacityPlan:
+    def _plan(self, start: int, end: int, released: int = 0) -> CapacityPlan:
+        """The capacity rule for [start, end) with `released` of its weight pages unmapped (released shards)."""
         P = self.pool.page_size
         w = sum(arena_pages(self._specs(layer), P) for layer in range(start, end))
         w += sum(arena_pages(self.groups[n].tensors, P) for n in self._groups_for(start, end))
-        return kv_capacity(self.pool.num_pages, w, end - start, P, self.kv_spec.block_bytes, start)
+        return kv_capacity(self.pool.num_pages, w - released, end - start, P, self.kv_spec.block_bytes, start)
 
     def _check_plan(self, plan: CapacityPlan, what: str) -> None:
         if plan.num_blocks < 1:
@@ -436,8 +464,25 @@ class LayerMemoryLayout:
 
     def _arena_views(self, a: _Arena) -> dict[str, torch.Tensor]:
         if a.cache is None:
-            a.cache = {s.name: self.pool.view(a.vr, off, s.shape, s.dtype) for s, off in zip(a.specs, a.offsets)}
+            a.cache = {s.name: self._spec_view(a, s, off) for s, off in zip(a.specs, a.offsets)}
         return a.cache
+
+    def _spec_view(self, a: _Arena, s: TensorSpec, off: int, shards: range | None = None) -> torch.Tensor:
+        """`s`'s tensor; a sharded one's as `[len(shards), *shape[1:]]` over those shards (default: the ones mapped),
+        one `shard_stride` apart: the view covers only their pages, so the others can be unmapped under it."""
+        if not s.page_shards:
+            return self.pool.view(a.vr, off, s.shape, s.dtype)
+        shards = self.kept_shards if shards is None else shards
+        stride = s.shard_stride(self.pool.page_size) // _itemsize(s.dtype)
+        unit = s.shape[1:]
+        flat = self.pool.view(a.vr, off + shards.start * stride * _itemsize(s.dtype),
+                              ((len(shards) - 1) * stride + math.prod(unit),), s.dtype)
+        return flat.as_strided((len(shards), *unit), (stride, *torch.empty(unit, device="meta").stride()))
+
+    def _sharded(self) -> list[tuple[_Arena, TensorSpec, int]]:
+        """Every held layer's page-sharded tensors, with their arena and offset."""
+        return [(a, s, off) for x in sorted(self._weights) for a in (self._weights[x],)
+                for s, off in zip(a.specs, a.offsets) if s.page_shards]
 
     def _kv_range(self, layer: int) -> VirtualRange:
         vr = self._kv.get(layer)
@@ -453,6 +498,7 @@ class LayerMemoryLayout:
 
         Defaults to every held layer and group. Shapes must match exactly; dtypes are converted.
         """
+        self._check_whole_weights("load weights")
         t0 = time.perf_counter()
         arenas: list[_Arena] = []
         for g in (self._group_arenas if groups is None else groups):
@@ -499,7 +545,7 @@ class LayerMemoryLayout:
 
     def arena_nbytes(self, key: str) -> int:
         """The packed size of a held arena (what ``arena_bytes`` spans)."""
-        _, total = pack_tensors(self._arena(key).specs)
+        _, total = pack_tensors(self._arena(key).specs, page_size=self.pool.page_size)
         return total
 
     def restore_arenas(self, held: tuple[int, int], target: tuple[int, int], piece: tuple[int, int]) -> list[str]:
@@ -568,6 +614,7 @@ class LayerMemoryLayout:
         return sorted(ls)
 
     def _drop_target(self, layers: Iterable[int]) -> tuple[list[int], int, int]:
+        self._check_whole_weights("drop layers")
         ls = self._normalize(layers)
         held = set(self.layers)
         missing = [x for x in ls if x not in held]
@@ -584,6 +631,7 @@ class LayerMemoryLayout:
         return ls, remaining[0], remaining[-1] + 1
 
     def _restore_target(self, layers: Iterable[int]) -> tuple[list[int], int, int]:
+        self._check_whole_weights("restore layers")
         ls = self._normalize(layers)
         held = [x for x in ls if self._start <= x < self._end]
         if held:
@@ -814,10 +862,133 @@ class LayerMemoryLayout:
         """Pages mapped under one held layer's KV range, read from the range itself (every layer has as many)."""
         return max((vr.mapped_count() for vr in self._kv.values()), default=0)
 
+    # ------------------------------------------------------------------ tensor-parallel weight shards
+    @property
+    def shard_count(self) -> int:
+        """Shards of the page-sharded tensors (0 when the layers hold none)."""
+        counts = {s.page_shards for _, s, _ in self._sharded()}
+        if len(counts) > 1:
+            raise ValueError(f"page-sharded tensors split into different shard counts {sorted(counts)}")
+        return counts.pop() if counts else 0
+
+    @property
+    def kept_shards(self) -> range:
+        """The shards whose pages are mapped: all of them unless `release_shards` gave the others' away."""
+        return self._released if self._released is not None else range(self.shard_count)
+
+    def shard_views(self, keep: range) -> dict[str, torch.Tensor]:
+        """Every held page-sharded tensor over the shards `keep` only (`[len(keep), ...]`): what a tensor-parallel
+        member computes on, taken before `release_shards(keep)` so that the release can unmap the others."""
+        self._check_keep(keep)
+        return {s.name: self._spec_view(a, s, off, keep) for a, s, off in self._sharded()}
+
+    def _check_keep(self, keep: range) -> None:
+        n = self.shard_count
+        if n == 0:
+            raise ValueError("the layers hold no page-sharded tensor: nothing to keep or release")
+        if keep.step != 1 or not 0 <= keep.start < keep.stop <= n:
+            raise ValueError(f"shards {keep} are not a contiguous part of [0, {n})")
+        if not (keep.start >= self.kept_shards.start and keep.stop <= self.kept_shards.stop):
+            raise ValueError(f"shards {keep} are not all mapped (mapped: {self.kept_shards})")
+
+    def _shard_spans(self, shards: Iterable[int]) -> list[tuple[VirtualRange, int, int]]:
+        """(range, first slot, slot count) of the pages of `shards` in every held sharded tensor."""
+        P = self.pool.page_size
+        shards = list(shards)
+        out = []
+        for a, s, off in self._sharded():
+            per = s.shard_stride(P) // P
+            out += [(a.vr, off // P + i * per, per) for i in shards]
+        return out
+
+    def plan_shard_release(self, keep: range) -> CapacityPlan:
+        """The capacity `release_shards(keep)` would give (nothing changes): the capacity rule over the weight pages
+        still mapped, so every held layer's KV gets an equal share of the released pages."""
+        self._check_keep(keep)
+        released = sum(n for _, _, n in self._shard_spans(i for i in self.kept_shards if i not in keep))
+        return self._plan(self._start, self._end, released=self._released_pages() + released)
+
+    def _released_pages(self) -> int:
+        if self._released is None:
+            return 0
+        return sum(n for _, _, n in self._shard_spans(i for i in range(self.shard_count) if i not in self._released))
+
+    def release_shards(self, keep: range) -> RemapResult:
+        """Unmap the pages of every page-sharded tensor's shards outside `keep` and map them at the held layers' KV
+        tails (Gyges §4.2-4.3: a scale-up releases the MLP shards a member no longer computes on, in whole pages,
+        with no weight copy). The KV keeps its base addresses and bytes; `num_blocks` grows. Release the views of
+        the shards going away first (the engine's runner then computes on `shard_views(keep)`): ViewStillAliveError
+        otherwise, with nothing changed. Layer drops and restores are refused until `reclaim_shards`."""
+        plan = self.plan_shard_release(keep)
+        t0 = time.perf_counter()
+        old_blocks = self.num_blocks
+        spans = self._shard_spans(i for i in self.kept_shards if i not in keep)
+        self.release_views()
+        self.pool.ensure_no_views((vr, first, first + n) for vr, first, n in spans)
+        unmapped = sum(len(self.pool.unmap(vr, first, n)) for vr, first, n in spans)
+        grow = plan.kv_pages_per_layer - self._k
+        for x in self.layers:
+            self.pool.map(self._kv[x], self._k, self.pool.take_free(grow))
+        self._k = plan.kv_pages_per_layer
+        self._released = keep
+        self._after_remap()
+        return RemapResult("release", (), self._start, self._end, old_blocks, self.num_blocks, unmapped,
+                           grow * len(self.layers), self.pool.free_count, self.generation, time.perf_counter() - t0)
+
+    def plan_shard_reclaim(self) -> CapacityPlan:
+        """The capacity once `reclaim_shards` maps every shard again: the plain capacity rule."""
+        return self._plan(self._start, self._end)
+
+    def reclaim_shards(self, source: WeightSource, *, used_block_ids: Collection[int]) -> RemapResult:
+        """The inverse of `release_shards` (a scale-down back to a whole instance): take the pages back from the KV
+        tails, map them under the released shards and fill those shards from `source` (name -> the whole tensor,
+        e.g. the host copy). Every used KV block must lie below the plan's `num_blocks` (KVCapacityError: the
+        caller gathers its blocks low first)."""
+        if self._released is None:
+            raise ValueError("no shard is released")
+        plan = self.plan_shard_reclaim()
+        used = sorted(int(b) for b in used_block_ids)
+        beyond = [b for b in used if b >= plan.num_blocks]
+        if beyond:
+            raise KVCapacityError(f"taking the weight shards back leaves {plan.num_blocks} KV blocks but blocks "
+                                  f"{beyond[:8]} beyond it are in use", used_blocks=len(used),
+                                  new_num_blocks=plan.num_blocks, needs_compaction=True)
+        t0 = time.perf_counter()
+        old_blocks = self.num_blocks
+        gone = [i for i in range(self.shard_count) if i not in self._released]
+        spans = self._shard_spans(gone)
+        self.release_views()
+        self.pool.ensure_no_views((self._kv[x], plan.kv_pages_per_layer, self._k) for x in self.layers)
+        unmapped = 0
+        for x in self.layers:
+            unmapped += len(self.pool.unmap(self._kv[x], plan.kv_pages_per_layer, self._k - plan.kv_pages_per_layer))
+        self._k = plan.kv_pages_per_layer
+        for vr, first, n in spans:
+            self.pool.map(vr, first, self.pool.take_free(n))
+        self._released = None
+        self._after_remap()
+        get = source.__getitem__ if isinstance(source, Mapping) else source
+        fill_t0 = time.perf_counter()
+        with torch.no_grad():
+            for a, s, off in self._sharded():
+                whole = get(s.name)
+                if tuple(whole.shape) != s.shape:
+                    raise WeightSourceError(s.name, f"shape {tuple(whole.shape)} != expected {s.shape}")
+                for lo, hi in _runs(gone):
+                    self._spec_view(a, s, off, range(lo, hi)).copy_(whole[lo:hi])
+        return RemapResult("reclaim", (), self._start, self._end, old_blocks, self.num_blocks, unmapped,
+                           sum(n for _, _, n in spans), self.pool.free_count, self.generation,
+                           fill_t0 - t0, time.perf_counter() - fill_t0)
+
+    def _check_whole_weights(self, what: str) -> None:
+        if self._released is not None:
+            raise ValueError(f"cannot {what} while weight shards outside {self._released} are released (a "
+                             "tensor-parallel member): reclaim them first")
+
     # ------------------------------------------------------------------ building blocks
     def _make_arena(self, key: str, specs: Sequence[TensorSpec]) -> _Arena:
         specs = tuple(specs)
-        offsets, total = pack_tensors(specs)
+        offsets, total = pack_tensors(specs, page_size=self.pool.page_size)
         n = -(-total // self.pool.page_size)
         if n <= 0:
             raise ValueError(f"arena {key} has no bytes")
@@ -877,11 +1048,14 @@ class LayerMemoryLayout:
             assert (x in self._weights) == bool(specs and sum(s.nbytes for s in specs) > 0)
         assert set(self._weights) <= set(self.layers)
         assert sorted(self._group_arenas) == sorted(self._groups_for(self._start, self._end))
+        gone = [i for i in range(self.shard_count) if i not in self.kept_shards]
+        released = {(vr.rid, first + j) for vr, first, n in self._shard_spans(gone) for j in range(n)}
         for a in self._arenas():
-            assert a.vr.mapped_count() == a.vr.num_slots, f"arena {a.key} not fully mapped"
+            holes = {i for i, p in enumerate(a.vr.slots) if p is None}
+            assert holes == {i for rid, i in released if rid == a.vr.rid}, f"arena {a.key}: unmapped slots {holes}"
         owned = {a.vr.rid for a in self._arenas()} | {vr.rid for vr in self._kv.values()}
         assert owned == {vr.rid for vr in self.pool.ranges}, "pool holds ranges the layout does not know"
-        plan = self._plan(self._start, self._end)
+        plan = self._plan(self._start, self._end, self._released_pages())
         assert plan.kv_pages_per_layer == self._k, f"KV pages per layer {self._k} != plan {plan.kv_pages_per_layer}"
         assert self.pool.free_count == plan.spare_pages, f"free {self.pool.free_count} != spare {plan.spare_pages}"
 
@@ -913,7 +1087,7 @@ class LayerMemoryLayout:
             w = self._weights.get(x)
             layers.append({
                 "layer": x,
-                "weight_pages": w.num_pages if w else 0,
+                "weight_pages": w.vr.mapped_count() if w else 0,
                 "weight_bytes": sum(s.nbytes for s in w.specs) if w else 0,
                 "kv_pages": self._k,
                 "kv_blocks": nb,
@@ -930,6 +1104,7 @@ class LayerMemoryLayout:
             "layer_start": self._start,
             "layer_end": self._end,
             "weight_pages": self.weight_pages,
+            "kept_shards": [self.kept_shards.start, self.kept_shards.stop] if self.shard_count else None,
             "weight_bytes": sum(s.nbytes for a in self._arenas() for s in a.specs),
             "groups": [{"name": a.key.removeprefix("group:"), "pages": a.num_pages,
                         "bytes": sum(s.nbytes for s in a.specs)} for a in self._group_arenas.values()],
@@ -959,6 +1134,17 @@ class LayerMemoryLayout:
         return (f"LayerMemoryLayout(layers=[{self._start}, {self._end}), num_blocks={self.num_blocks}, "
                 f"kv_pages_per_layer={self._k}, weight_pages={self.weight_pages}, spare={self.spare_pages}, "
                 f"backend={self.pool.backend})")
+
+
+def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted ids as [lo, hi) runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(ids):
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def uniform_layer_specs(template: Sequence[tuple[str, Sequence[int], torch.dtype]],

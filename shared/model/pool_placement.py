@@ -19,11 +19,13 @@ import torch
 from kunserve.shared.engine.cpu_kernels import panels_shape, to_panels
 from kunserve.shared.memory.layer_memory import KVCacheSpec, LayerMemoryLayout, TensorSpec, WeightGroupSpec, WeightSource
 from kunserve.shared.memory.pool import PagePool
+from kunserve.shared.model import tp_padding
 from kunserve.shared.model.architecture import ModelConfig
 
 QKV = "self_attn.qkv_proj"
 GATE_UP = "mlp.gate_up_proj"
 PANELS = ".panels"  # suffix of a matrix stored as column panels
+FFN_SHARDS = "mlp.shards"  # the padded MLP of a pool laid out for in-place TP changes (tp_padding.py)
 
 
 def uses_panels(cfg: ModelConfig, device_type: str) -> bool:
@@ -39,9 +41,15 @@ def layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}."
 
 
-def fused_layer_specs(cfg: ModelConfig, panels: bool = False) -> Callable[[int], list[TensorSpec]]:
+def fused_layer_specs(cfg: ModelConfig, panels: bool = False,
+                      padded_mlp: bool = False) -> Callable[[int], list[TensorSpec]]:
+    """A layer's stored tensors. With `padded_mlp` the MLP is one page-sharded tensor (`FFN_SHARDS`,
+    `[SHARDS, 3, I/SHARDS, hidden]`: tp_padding.py), placed last in the layer's arena so its shards' pages follow
+    the other tensors'."""
     dt, h, hd, inter = cfg.torch_dtype, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+    if padded_mlp and inter % tp_padding.SHARDS:
+        raise ValueError(f"intermediate size {inter} does not split into {tp_padding.SHARDS} page-aligned shards")
 
     def specs(layer: int) -> list[TensorSpec]:
         p = layer_prefix(layer)
@@ -50,13 +58,16 @@ def fused_layer_specs(cfg: ModelConfig, panels: bool = False) -> Callable[[int],
             _matrix(p + QKV + ".weight", (qkv_rows, h), dt, panels),
             _matrix(p + "self_attn.o_proj.weight", (h, cfg.num_heads * hd), dt, panels),
             TensorSpec(p + "post_attention_layernorm.weight", (h,), dt),
-            _matrix(p + GATE_UP + ".weight", (2 * inter, h), dt, panels),
-            _matrix(p + "mlp.down_proj.weight", (h, inter), dt, panels),
         ]
+        if not padded_mlp:
+            out += [_matrix(p + GATE_UP + ".weight", (2 * inter, h), dt, panels),
+                    _matrix(p + "mlp.down_proj.weight", (h, inter), dt, panels)]
         if cfg.qkv_bias:
             out.append(TensorSpec(p + QKV + ".bias", (qkv_rows,), dt))
         if cfg.o_bias:  # Llama's attention_bias also biases o_proj
             out.append(TensorSpec(p + "self_attn.o_proj.bias", (h,), dt))
+        if padded_mlp:
+            out.append(TensorSpec(p + FFN_SHARDS, tp_padding.shards_shape(inter, h), dt, tp_padding.SHARDS))
         return out
 
     return specs
@@ -82,6 +93,9 @@ def fused_source(source: WeightSource) -> Callable[[str], torch.Tensor]:
     def fused(name: str) -> torch.Tensor:
         if name.endswith(PANELS):
             return to_panels(fused(name.removesuffix(PANELS)))
+        if name.endswith(FFN_SHARDS):
+            prefix = name.removesuffix(FFN_SHARDS)
+            return tp_padding.pack_shards(*(get(f"{prefix}mlp.{m}_proj.weight") for m in ("gate", "up", "down")))
         for part, pieces in ((QKV, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
                              (GATE_UP, ("mlp.gate_proj", "mlp.up_proj"))):
             if f".{part}." in name:
@@ -93,13 +107,14 @@ def fused_source(source: WeightSource) -> Callable[[str], torch.Tensor]:
 
 
 def build_model_layout(pool: PagePool, cfg: ModelConfig, layer_range: tuple[int, int], block_size: int,
-                       source: WeightSource | None = None) -> LayerMemoryLayout:
-    """A LayerMemoryLayout for cfg's [start, end), filled from an HF-named source when given."""
+                       source: WeightSource | None = None, *, padded_mlp: bool = False) -> LayerMemoryLayout:
+    """A LayerMemoryLayout for cfg's [start, end), filled from an HF-named source when given; `padded_mlp` lays the
+    MLP out in page-aligned shards (for in-place TP changes)."""
     start, end = layer_range
     panels = uses_panels(cfg, pool.device.type)
     return LayerMemoryLayout(
         pool, num_layers_model=cfg.num_layers, layer_start=start, layer_end=end,
-        layer_specs=fused_layer_specs(cfg, panels),
+        layer_specs=fused_layer_specs(cfg, panels, padded_mlp),
         kv=KVCacheSpec(cfg.num_kv_heads, cfg.head_dim, block_size, cfg.torch_dtype),
         groups=weight_groups(cfg, panels),
         weight_source=fused_source(source) if source is not None else None,

@@ -2,10 +2,14 @@
 
 A TP change must release a member's share of the MLP weights in whole pages, in place, with no weight copy.
 That needs every TP shard boundary (for TP1/2/4 the quarters of the intermediate dimension) to start on a
-page boundary. The MLP's three matrices are stored shard-major with the intermediate dimension outermost:
-gate and up as ``[intermediate, hidden]`` (Hugging Face's layout) and down *transposed*, also
-``[intermediate, hidden]``, so shard ``s`` of each is the contiguous rows ``[s*R, (s+1)*R)``. Each shard is
-followed by a gap up to the next page boundary (``FFNShardLayout``).
+page boundary. The MLP's three matrices are stored with the intermediate dimension outermost: gate and up as
+``[intermediate, hidden]`` (Hugging Face's layout) and down *transposed*, also ``[intermediate, hidden]``, so
+shard ``s`` of each is the contiguous rows ``[s*R, (s+1)*R)``. The memory pool (pool_placement.py, a layout
+with ``padded_mlp``) stores the three shards ``s`` side by side, one ``[3, R, hidden]`` unit per shard
+(`pack_shards`: ``[SHARDS, 3, R, hidden]``), each unit starting on a page boundary and followed by a gap up to the
+next one (``TensorSpec.page_shards``); a member of a TP``d`` instance keeps the units `shards_of` its rank and
+the pool releases the others' pages (``LayerMemoryLayout.release_shards``). ``FFNShardLayout`` is the same
+arithmetic for one matrix of ``rows x cols`` per shard (a unit is one of ``R x 3*hidden``).
 
 **What differs from the paper.** Eq. 2 pads with zero columns of U and zero rows of D and multiplies the
 padded matrices whole. Here the padding is a byte gap that never enters the arithmetic: the FFN runs over a
@@ -22,6 +26,16 @@ from dataclasses import dataclass
 import torch
 
 SHARDS = 4  # the finest split: TP1/2/4 boundaries are all quarter boundaries
+
+
+def shards_of(rank: int, degree: int, shards: int = SHARDS) -> range:
+    """The finest shards member ``rank`` of a TP``degree`` instance keeps."""
+    if degree <= 0 or shards % degree:
+        raise ValueError(f"TP degree {degree} does not divide {shards} shards")
+    if not 0 <= rank < degree:
+        raise ValueError(f"rank {rank} is outside TP{degree}")
+    per = shards // degree
+    return range(rank * per, (rank + 1) * per)
 
 
 @dataclass(frozen=True)
@@ -69,12 +83,7 @@ class FFNShardLayout:
 
     def shards_of(self, rank: int, degree: int) -> range:
         """The finest shards member ``rank`` of a TP``degree`` instance keeps."""
-        if degree <= 0 or self.shards % degree:
-            raise ValueError(f"TP degree {degree} does not divide {self.shards} shards")
-        if not 0 <= rank < degree:
-            raise ValueError(f"rank {rank} is outside TP{degree}")
-        per = self.shards // degree
-        return range(rank * per, (rank + 1) * per)
+        return shards_of(rank, degree, self.shards)
 
     def pages_of(self, rank: int, degree: int) -> range:
         """The buffer's pages member ``rank`` keeps at TP``degree``; every other page is released."""
@@ -109,3 +118,25 @@ def sharded_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t
     u = torch.matmul(x.unsqueeze(0), up.transpose(1, 2))
     partial = torch.matmul(torch.nn.functional.silu(g) * u, down_t)
     return partial.sum(dim=0)
+
+
+def shards_shape(intermediate: int, hidden: int) -> tuple[int, int, int, int]:
+    """The pool's padded MLP tensor: ``[SHARDS, 3, R, hidden]`` (gate, up and down^T rows of each shard)."""
+    if intermediate % SHARDS:
+        raise ValueError(f"intermediate size {intermediate} does not split into {SHARDS} shards")
+    return (SHARDS, 3, intermediate // SHARDS, hidden)
+
+
+def pack_shards(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's gate / up ``[I, hidden]`` and down ``[hidden, I]`` as ``shards_shape`` (a new tensor)."""
+    inter, hidden = gate.shape
+    shape = shards_shape(inter, hidden)
+    if tuple(up.shape) != (inter, hidden) or tuple(down.shape) != (hidden, inter):
+        raise ValueError(f"gate {tuple(gate.shape)}, up {tuple(up.shape)}, down {tuple(down.shape)}: expected "
+                         f"({inter}, {hidden}) twice and ({hidden}, {inter})")
+    return torch.stack([gate, up, down.t()], 0).reshape(3, SHARDS, shape[2], hidden).transpose(0, 1).contiguous()
+
+
+def swiglu_shards(x: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+    """`sharded_swiglu` over units ``[n, 3, R, hidden]`` (the pool's view of the shards a member keeps)."""
+    return sharded_swiglu(x, units[:, 0], units[:, 1], units[:, 2])

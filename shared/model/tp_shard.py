@@ -24,6 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kunserve.shared.engine.cpu_kernels import from_panels
+from kunserve.shared.model.architecture import ModelConfig
+from kunserve.shared.model.pool_placement import FFN_SHARDS, PANELS, QKV
 from kunserve.shared.model.tp_degree import shard_config
 from kunserve.shared.model.weights import ModelSource, Weights
 
@@ -87,3 +90,38 @@ def sharded_source(source: ModelSource, rank: int, degree: int) -> ShardedModelS
     return ShardedModelSource(
         f"{source.name}@tp{degree}", cfg, source.path, source.seed, source.tokenizer, full=source, rank=rank, degree=degree
     )
+
+
+def shard_stored_attention(stored: Weights, cfg: ModelConfig, rank: int, degree: int) -> Weights:
+    """Rank `rank` of `degree`'s attention weights cut from the pool's stored (fused, maybe panel) whole ones, as
+    [out, in] copies under their stored names without the panel suffix (the runner lays them out again): the q, k
+    and v rows of its heads, o_proj's columns, the biases likewise (o_proj's kept by rank 0 alone). Every other stored
+    tensor is left out: the caller keeps it as it is (replicated) or gives the shard's MLP (`FFN_SHARDS` views)."""
+    hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    if nh % degree or nkv % degree:
+        raise ValueError(f"TP{degree} does not divide {nh} heads / {nkv} KV heads")
+    q, kv = nh * hd, nkv * hd
+    qs, ks = q // degree, kv // degree
+    rows = torch.cat([torch.arange(rank * qs, (rank + 1) * qs), q + torch.arange(rank * ks, (rank + 1) * ks),
+                      q + kv + torch.arange(rank * ks, (rank + 1) * ks)])
+
+    def matrix(name: str, n: int) -> torch.Tensor:
+        return from_panels(stored[name + PANELS], n) if name + PANELS in stored else stored[name]
+
+    def head_rows(t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, rows.to(t.device))
+
+    out: Weights = {}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        if p + FFN_SHARDS not in stored:
+            continue  # a layer this pool does not hold
+        out[p + QKV + ".weight"] = head_rows(matrix(p + QKV + ".weight", q + 2 * kv))
+        out[p + "self_attn.o_proj.weight"] = matrix(p + "self_attn.o_proj.weight", cfg.hidden_size)[
+            :, rank * qs:(rank + 1) * qs].contiguous()
+        if p + QKV + ".bias" in stored:
+            out[p + QKV + ".bias"] = head_rows(stored[p + QKV + ".bias"])
+        if p + "self_attn.o_proj.bias" in stored:
+            bias = stored[p + "self_attn.o_proj.bias"]
+            out[p + "self_attn.o_proj.bias"] = bias.clone() if rank == 0 else torch.zeros_like(bias)
+    return out

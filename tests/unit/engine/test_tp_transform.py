@@ -21,6 +21,7 @@ from kunserve.shared.engine.tp_transform import TransformReport, scale_down, sca
 from kunserve.shared.model.architecture import ModelConfig
 from kunserve.shared.model.reference import reference_greedy
 from kunserve.shared.model.tp_degree import shard_config
+from kunserve.shared.model.tp_padding import shards_of
 from kunserve.shared.model.tp_shard import shard_weights
 from kunserve.shared.model.weights import Weights, load_model_source, random_weights
 
@@ -206,6 +207,70 @@ def test_pooled_instances_change_parallelism_in_place_with_no_page_mapped_or_rel
         assert tokens.finished == set(requests)
         for rid, prompt in requests.items():
             ref, margins = reference_greedy(cfg, weights, prompt, MAX_TOKENS)
+            compare_greedy(tokens.by_request[rid], ref, margins)
+    finally:
+        for i in insts:
+            i.close()
+
+
+def test_a_padded_pool_gives_the_mlp_shards_a_member_no_longer_keeps_to_its_kv_and_takes_them_back():
+    """Gyges §4.2 in the pool: the MLP stored in page-aligned shards; at the scale-up each member releases the shards it
+    no longer computes on, in place, to its KV, so the merged instance holds more KV than its members did whole
+    together (a request longer than that is served), and the scale-down takes the pages back and refills them from
+    the host copy. No page is mapped beyond the pool's; every request's tokens are the reference's."""
+    torch.set_num_threads(1)
+    src = load_model_source(None)
+    cfg, weights = src.config, src.load_weights()
+    degree = 2
+    insts = [PooledInstance(src, layer_range=(0, cfg.num_layers), pool_bytes=22 << 20, page_size=64 << 10,
+                            block_size=BLOCK, backend="host", scheduler_config=SCHED, padded_mlp=True)
+             for _ in range(degree)]
+    try:
+        engines = [i.engine for i in insts]
+        tokens = TokenLog()
+        requests = {}
+        for m, e in enumerate(engines):
+            for i, p in enumerate(prompts(m)):
+                requests[f"m{m}-r{i}"] = p
+                e.add_request(EngineRequest(f"m{m}-r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
+            step_until(e, tokens, tokens.at_least(3, e.seqs))
+        mapped = [i.pool.mapped_count for i in insts]
+        weight_pages = [i.layout.weight_pages for i in insts]
+        blocks = [e.kv.num_blocks for e in engines]
+        # longer than both whole instances' KV together: only the released MLP pages make room for it
+        long_prompt = list(range(5, 5 + degree * blocks[0] * BLOCK + 40))
+        long_req = EngineRequest("long", long_prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        with pytest.raises(InvalidRequest):
+            engines[0].validate(long_req)
+        port = free_port()
+        groups = on_ranks(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=60, rendezvous_timeout_s=60))
+        up: list[TransformReport] = on_ranks(  # type: ignore[assignment]
+            degree, lambda r: scale_up(engines[r], groups[r], shard_config(cfg, degree), insts[r]))
+        for r, i in enumerate(insts):
+            assert i.layout.kept_shards == shards_of(r, degree)
+            assert i.pool.mapped_count == mapped[r]  # the released pages went to the KV, none came from elsewhere
+            assert i.layout.weight_pages < weight_pages[r]
+            i.layout.check_invariants()
+        assert all(r.blocks_after > degree * blocks[0] for r in up)
+        leader = decode_merged(groups, engines, tokens, tokens.at_least(6, requests))
+        engines[0].validate(long_req)
+        engines[0].add_request(long_req)
+        decode_merged(groups, engines, tokens, lambda: "long" in tokens.finished, leader)
+        assert not tokens.finished & set(requests)
+        down: list[TransformReport] = on_ranks(  # type: ignore[assignment]
+            degree, lambda r: scale_down(engines[r], groups[r], cfg, insts[r]))
+        for g in groups:
+            g.close()  # type: ignore[attr-defined]
+        assert sum(r.requests for r in down) == 2 * degree
+        for r, i in enumerate(insts):
+            assert i.layout.kept_shards == range(4) and i.layout.weight_pages == weight_pages[r]
+            assert i.pool.mapped_count == mapped[r] and engines[r].kv.num_blocks == blocks[r]
+            i.layout.check_invariants()
+        for e in engines:
+            step_until(e, tokens, lambda: False)
+        assert tokens.finished == set(requests) | {"long"}
+        for rid, prompt in [*requests.items(), ("long", long_prompt)]:
+            ref, margins = reference_greedy(cfg, weights, prompt, 4 if rid == "long" else MAX_TOKENS)
             compare_greedy(tokens.by_request[rid], ref, margins)
     finally:
         for i in insts:
