@@ -6,7 +6,7 @@ member is a PooledInstance (the memory pool's "host" backend, so its pages are t
 own thread, over a real gloo TPGroup on 127.0.0.1, one torch thread each, as tests/unit/engine/test_tp_transform.py
 drives them.
 
-Per row (a model shape, a degree, a target share of each member's KV blocks): every member is filled with running
+Per row (a model shape, a degree, a pool layout, a target share of each member's KV blocks): every member is filled with running
 requests until about that share of its blocks is used (prompts sized to the blocks, stepped until every request has
 its first token); one member then times `steps` decode steps as a whole instance (after one untimed step); all
 members scale up at once (the time of the slowest member); the merged instance times `steps` decode steps (rank 0
@@ -14,10 +14,13 @@ steps, the others follow on their threads); all members scale down at once; the 
 request. Reported: the requests, the KV blocks in use, the sub-blocks every member sends per layer (summed over the
 members), the most one member held staged at once beside the KV bytes the instance has in use per layer, the pool
 pages mapped before the merge, after it and after the split (the move maps and releases none), both transformation
-times and each as a multiple of the merged instance's step and of a whole instance's. One untimed merge and split of
-the empty engines comes first, so the first row does not pay the group's first use. Afterwards every request's
-greedy tokens, across the merge and the split, are checked against the dense reference (teacher-forced; a divergence
-after a top-2 margin below 1e-3 counts as a near-tie, the project's oracle).
+times and each as a multiple of the merged instance's step and of a whole instance's. Two pool layouts: the whole
+weights (a member computes on a copy of its shard, given) and the padded MLP (`padded_mlp`: each member computes on
+its pool's pages and releases the MLP shards it no longer keeps to its KV at the commit, and takes them back from its
+host copy at the split): per row also the weight pages rank 0 released and its KV (sub-)blocks whole and merged.
+One untimed merge and split of the empty engines comes first, so the first row does not pay the group's first use.
+Afterwards every request's greedy tokens, across the merge and the split, are checked against the dense reference
+(teacher-forced; a divergence after a top-2 margin below 1e-3 counts as a near-tie, the project's oracle).
 
 The transformation runs between two iterations (tp_transform.py's "What differs from Gyges"), so its time here is
 the whole pause the requests see. The members are threads of one process on a 2-core CPU, sharing its cores and
@@ -134,7 +137,7 @@ def _row(
     insts: list[PooledInstance],
     groups: list[TPGroup],
     weights: Weights,
-    shards: list[Weights],
+    shards: list[Weights | PooledInstance],
     steps: int,
     seed: int,
 ) -> dict[str, Any]:
@@ -154,9 +157,12 @@ def _row(
     whole_step_ms = _mean_step_ms(engines[0], tokens, steps)
     used = [e.allocator.num_used for e in engines]
     mapped_before = sum(i.pool.mapped_count for i in insts)
+    weight_pages = insts[0].layout.weight_pages
     shard_cfg = shard_config(cfg, degree)
     up: list[TransformReport] = on_ranks(degree, lambda r: scale_up(engines[r], groups[r], shard_cfg, shards[r]), THREAD_TIMEOUT_S)
     mapped_merged = sum(i.pool.mapped_count for i in insts)
+    released = weight_pages - insts[0].layout.weight_pages
+    merged_blocks = engines[0].kv.num_blocks
     leader = TPLeader(groups[0])
     leader.attach(engines[0])
     followers = [TPFollower(groups[r], engines[r]) for r in range(1, degree)]
@@ -172,7 +178,7 @@ def _row(
     if broken:
         raise RuntimeError(f"a follower broke: {broken[0]}")
     down: list[TransformReport] = on_ranks(
-        degree, lambda r: scale_down(engines[r], groups[r], cfg, insts[r].layout.weights()), THREAD_TIMEOUT_S
+        degree, lambda r: scale_down(engines[r], groups[r], cfg, insts[r]), THREAD_TIMEOUT_S
     )
     mapped_after = sum(i.pool.mapped_count for i in insts)
     for e in engines:
@@ -188,6 +194,9 @@ def _row(
         "layers": cfg.num_layers,
         "kv_heads": cfg.num_kv_heads,
         "degree": degree,
+        "padded_mlp": insts[0].padded_mlp,
+        "weight_pages_released": released,
+        "kv_subblocks_merged": merged_blocks,
         "kv_target_share": share,
         "kv_blocks_per_member": num_blocks,
         "kv_used_blocks": sum(used),
@@ -221,12 +230,13 @@ def _join_group(degree: int, port: int, rank: int) -> TPGroup:
     return TPGroup(rank, degree, "127.0.0.1", port, timeout_s=120, rendezvous_timeout_s=60)
 
 
-def _warm_up(case: Case, degree: int, insts: list[PooledInstance], groups: list[TPGroup], shards: list[Weights]) -> None:
+def _warm_up(case: Case, degree: int, insts: list[PooledInstance], groups: list[TPGroup],
+             shards: list[Weights | PooledInstance]) -> None:
     """One untimed merge and split of the empty engines, so the first row does not pay the group's first use."""
     cfg = case.source.config
     shard_cfg = shard_config(cfg, degree)
     on_ranks(degree, lambda r: scale_up(insts[r].engine, groups[r], shard_cfg, shards[r]), THREAD_TIMEOUT_S)
-    on_ranks(degree, lambda r: scale_down(insts[r].engine, groups[r], cfg, insts[r].layout.weights()), THREAD_TIMEOUT_S)
+    on_ranks(degree, lambda r: scale_down(insts[r].engine, groups[r], cfg, insts[r]), THREAD_TIMEOUT_S)
 
 
 def run_transform(quick: bool = False, steps: int | None = None, seed: int = 0) -> dict[str, Any]:
@@ -236,36 +246,39 @@ def run_transform(quick: bool = False, steps: int | None = None, seed: int = 0) 
     torch.set_num_threads(1)
     rows: list[dict[str, Any]] = []
     try:
-        for case in cases(quick):
+        for case, degree, padded in ((c, d, p) for c in cases(quick) for d in c.degrees
+                                     for p in ((True,) if quick else (False, True))):
             weights = case.source.load_weights()
-            for degree in case.degrees:
-                shards = [shard_weights(weights, r, degree) for r in range(degree)]
-                insts: list[PooledInstance] = []
-                groups: list[TPGroup] = []
-                try:
-                    for _ in range(degree):
-                        insts.append(
-                            PooledInstance(
-                                case.source,
-                                layer_range=(0, case.source.config.num_layers),
-                                pool_bytes=case.pool_bytes,
-                                page_size=PAGE,
-                                block_size=BLOCK,
-                                backend="host",
-                                scheduler_config=SCHED,
-                                keep_host_copy=False,
-                            )
+            insts: list[PooledInstance] = []
+            groups: list[TPGroup] = []
+            try:
+                for _ in range(degree):
+                    insts.append(
+                        PooledInstance(
+                            case.source,
+                            layer_range=(0, case.source.config.num_layers),
+                            pool_bytes=case.pool_bytes,
+                            page_size=PAGE,
+                            block_size=BLOCK,
+                            backend="host",
+                            scheduler_config=SCHED,
+                            keep_host_copy=padded,  # a padded member refills its released shards from it
+                            padded_mlp=padded,
                         )
-                    port = free_port()
-                    groups = on_ranks(degree, functools.partial(_join_group, degree, port), THREAD_TIMEOUT_S)
-                    _warm_up(case, degree, insts, groups, shards)
-                    for share in case.fills:
-                        rows.append(_row(case, degree, share, insts, groups, weights, shards, steps, seed))
-                finally:
-                    for g in groups:
-                        g.close()
-                    for i in insts:
-                        i.close()
+                    )
+                # a padded member computes on its pool's pages; otherwise on a copy of its shard
+                shards: list[Weights | PooledInstance] = (
+                    list(insts) if padded else [shard_weights(weights, r, degree) for r in range(degree)])
+                port = free_port()
+                groups = on_ranks(degree, functools.partial(_join_group, degree, port), THREAD_TIMEOUT_S)
+                _warm_up(case, degree, insts, groups, shards)
+                for share in case.fills:
+                    rows.append(_row(case, degree, share, insts, groups, weights, shards, steps, seed))
+            finally:
+                for g in groups:
+                    g.close()
+                for i in insts:
+                    i.close()
     finally:
         torch.set_num_threads(threads)
     return {"block_size": BLOCK, "page_bytes": PAGE, "steps_timed": steps, "torch_threads": 1, "rows": rows}
@@ -279,6 +292,9 @@ def print_transform(result: dict[str, Any]) -> None:
     for col in (
         "shape",
         "TP",
+        "MLP",
+        "pages released",
+        "KV blocks whole/merged",
         "KV used",
         "reqs",
         "sub-blocks up/down",
@@ -299,6 +315,9 @@ def print_transform(result: dict[str, Any]) -> None:
         t.add_row(
             r["shape"],
             str(r["degree"]),
+            "padded" if r["padded_mlp"] else "whole",
+            str(r["weight_pages_released"]),
+            f"{r['kv_blocks_per_member']}/{r['kv_subblocks_merged']}",
             f"{100 * r['kv_used_share']:.0f}%",
             str(r["requests"]),
             f"{r['up_sent_subblocks_per_layer']}/{r['down_sent_subblocks_per_layer']}",
@@ -314,7 +333,9 @@ def print_transform(result: dict[str, Any]) -> None:
             f"{tok['equal']}+{tok['near-tie']} tie" + (f", {tok['differs']} DIFFER" if tok["differs"] else ""),
         )
     t.caption = (
-        "sub-blocks: sent per layer, all members; staging: the most one member held at once; tokens: greedy "
-        "tokens equal to the dense reference's (+ near-ties)"
+        "MLP: whole weights (a member computes on a copy of its shard) or padded (it releases the MLP shards it no "
+        "longer keeps to its KV: pages released, rank 0); KV blocks: rank 0's whole blocks, then its sub-blocks while "
+        "merged (1/TP of the heads each); sub-blocks: sent per layer, all members; staging: the most one member held "
+        "at once; tokens: greedy tokens equal to the dense reference's (+ near-ties)"
     )
     Console(width=220).print(t)

@@ -19,6 +19,8 @@ from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.engine.profiler import profile_layers
 from kunserve.shared.log import get_logger
 from kunserve.shared.memory.errors import MemoryPoolError
+from kunserve.shared.model.architecture import ModelConfig
+from kunserve.shared.model.tp_padding import SHARDS
 from kunserve.shared.model.weights import ModelSource, load_model_source
 from kunserve.shared.policy.batch_scheduler import FixedTokenBudget, SchedulerConfig, TokenBudget
 from kunserve.shared.policy.microbatch import MicrobatchFormer
@@ -75,6 +77,12 @@ def checkpoint_bytes(cfg: ClusterConfig, tp: TPMembership | None = None) -> int:
     (off) for the baselines, whose preemption is recompute, and for a tensor-parallel member (a checkpoint would hold
     rank 0's shard of the KV alone)."""
     return cfg.engine.checkpoint_mib * MIB if cfg.engine.coserving == "conserve" and tp is None else 0
+
+
+def padded_mlp(cfg: ClusterConfig, model: ModelConfig, tp: TPMembership | None) -> bool:
+    """A whole instance of a cluster that changes TP in place lays its MLP out in page-aligned shards, so that a scale-up
+    releases the shards a member no longer keeps (tp_padding.py); a model whose MLP does not split into them cannot."""
+    return cfg.memory_manager.tp_mode == "in-place" and tp is None and model.intermediate_size % SHARDS == 0
 
 
 def make_microbatch_former(cfg: ClusterConfig, prof: Profile | None, found: str) -> tuple[MicrobatchFormer, str]:
@@ -158,7 +166,7 @@ def build_worker(cfg: ClusterConfig, worker_id: str, runtime_tp: TPArgs | None =
                                              offline_free_watermark=e.offline_free_watermark,
                                              coserving=e.coserving,
                                              preemption=overload_handling(cfg.policy.overload).preemption),
-            budget=budget, keep_host_copy=e.host_copy)
+            budget=budget, keep_host_copy=e.host_copy, padded_mlp=padded_mlp(cfg, mcfg, tp))
     except MemoryPoolError as exc:
         raise WorkerBuildError(f"memory pool: {exc} (engine.pool_mib = {e.pool_mib}, page_kib = {e.page_kib})") from None
     except (OSError, ValueError) as exc:

@@ -27,7 +27,7 @@ from kunserve.shared.engine.tp_transform import TransformReport
 from kunserve.shared.epochs import epoch_error
 from kunserve.shared.log import get_logger
 from kunserve.shared.memory.errors import MemoryPoolError
-from kunserve.shared.model.tp_capacity import kv_tokens_by_degree
+from kunserve.shared.model.tp_capacity import in_place_kv_tokens_by_degree, kv_tokens_by_degree
 from kunserve.shared.model.weights import ModelSource
 from kunserve.shared.rpc import REFORMING, WORKER_END
 from kunserve.shared.streams import Shutdown, StreamRegistry
@@ -278,11 +278,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self._kv_by_degree is None:
             pool = self.instance.pool
             cfg = self.whole_model.config if self.whole_model is not None else self.instance.cfg
-            by_degree = kv_tokens_by_degree(cfg, num_pages=pool.num_pages, page_size=pool.page_size,
-                                            block_size=self.instance.layout.block_size, device_type=pool.device.type)
-            if self.tp_mode == "in-place":  # the pool keeps the whole weights: d members hold d times the KV heads
-                by_degree = {d: by_degree.get(1, 0) * d for d in by_degree}
-            self._kv_by_degree = by_degree
+            n, page, block, dev = pool.num_pages, pool.page_size, self.instance.layout.block_size, pool.device.type
+            if self.tp_mode == "in-place":  # members keep their whole-model pools (less the MLP shards they release)
+                self._kv_by_degree = in_place_kv_tokens_by_degree(cfg, num_pages=n, page_size=page, block_size=block,
+                                                                  device_type=dev, padded_mlp=self.instance.padded_mlp)
+            else:
+                self._kv_by_degree = kv_tokens_by_degree(cfg, num_pages=n, page_size=page, block_size=block,
+                                                         device_type=dev)
         return self._kv_by_degree
 
     # -- memory pool --------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup
 from kunserve.shared.engine.tp_transform import TransformReport, check_split, scale_down, scale_up
 from kunserve.shared.log import get_logger
 from kunserve.shared.model.tp_shard import sharded_source
+from kunserve.shared.model.weights import Weights
 
 from .handover import StreamHandover
 from .tp_member import TPMembership
@@ -46,9 +47,10 @@ class SplitBroken(RuntimeError):
 
 
 class InPlaceTP:
-    """The in-place scale-up and scale-down of one worker (module docstring). Its instance's pool keeps the whole
-    model's weights throughout: a member computes on a copy of its shard (loaded at the scale-up), so a split needs
-    no weight moved."""
+    """The in-place scale-up and scale-down of one worker (module docstring). With the padded MLP in its pool (a
+    cluster whose tp_mode is "in-place") a member computes on its pool's pages and releases the MLP shards it no
+    longer keeps to its KV, taking them back at the split (`PooledInstance` as tp_transform.MemberWeights); otherwise
+    the pool keeps the whole weights and a member computes on a copy of its shard loaded at the scale-up."""
 
     def __init__(self, engine_loop: EngineLoop, instance: PooledInstance, handover: StreamHandover,
                  owns_stream: Callable[[str], bool]) -> None:
@@ -66,7 +68,9 @@ class InPlaceTP:
         ends); ValueError / InstanceBroken / RuntimeError leave the worker whole (see the module docstring)."""
         rank, degree = membership.rank, membership.degree
         shard_source = sharded_source(self.instance.source, rank, degree)
-        shard = await asyncio.to_thread(shard_source.load_weights)
+        # a pool with the padded MLP gives the member its own pages (released in place at the commit); else a copy
+        shard: Weights | PooledInstance = (self.instance if self.instance.padded_mlp
+                                           else await asyncio.to_thread(shard_source.load_weights))
         group = await asyncio.to_thread(TPGroup, rank, degree, membership.host, membership.port,
                                         timeout_s=membership.timeout_s,
                                         rendezvous_timeout_s=membership.rendezvous_timeout_s,
@@ -118,10 +122,10 @@ class InPlaceTP:
         committed: list[TransformReport] = []  # scale_down returned
 
         def on_engine(engine: Engine) -> TransformReport:
-            check_split(engine, membership.degree)  # refused here, the followers never stop following
+            check_split(engine, membership.degree, self.instance)  # refused here: the followers go on following
             announced.append(True)
             leader.split()
-            report = scale_down(engine, group, self.instance.cfg, self.instance.layout.weights())
+            report = scale_down(engine, group, self.instance.cfg, self.instance)
             committed.append(report)
             group.barrier()  # every follower's buffered streams are open before rank 0 says moved_to
             return report
@@ -158,7 +162,7 @@ class InPlaceTP:
         received: list[str] = []
 
         def on_engine(engine: Engine) -> TransformReport:
-            report = scale_down(engine, group, self.instance.cfg, self.instance.layout.weights())
+            report = scale_down(engine, group, self.instance.cfg, self.instance)
             mine = {rid: o for rid, o in report.moved.items() if o == rank}
             self._receive_from_engine_thread(mine, loop)
             received.extend(mine)

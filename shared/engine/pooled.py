@@ -8,6 +8,10 @@ the weights: in a cluster transition from the peer that holds them (services/wor
 receives straight into the restored arenas), otherwise, or when no peer can send them, from the DRAM
 host copy (``engine.host_copy``, optional) or the checkpoint.
 
+With `padded_mlp` the pool holds each layer's MLP in page-aligned shards (tp_padding.py) and the instance is its own
+`tp_transform.MemberWeights`: an in-place TP scale-up releases the shards a member no longer computes on to its KV,
+a scale-down takes them back and refills them from the host copy.
+
 Every method must run on the engine thread (EngineLoop.call): nothing may compute while pages move.
 """
 

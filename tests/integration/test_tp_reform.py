@@ -1,10 +1,12 @@
 """Elastic tensor parallelism by cold re-form in a real 2-worker cluster (README "Elastic tensor parallelism (Gyges)").
 
 Each worker's pool holds the whole model with KV for fewer tokens than a long request needs, while a TP2 shard leaves
-room for it: the long request is refused (INVALID_ARGUMENT) by the whole instances, served after `kunctl tp` with the
-whole model's greedy tokens, and after `kunctl tp-split` both workers serve alone again with a short request's tokens
-unchanged. The workers re-execute in place (same pids, no pool memory carried across the exec) and stop by themselves.
-Then the same workers change in place (`--in-place`): requests decoding through a merge and a split keep their KV.
+room for it: the long request is refused (INVALID_ARGUMENT) by the whole instances, served after `kunctl tp --cold`
+with the whole model's greedy tokens, and after `kunctl tp-split --cold` both workers serve alone again with a short
+request's tokens unchanged. The workers re-execute in place (same pids, no pool memory carried across the exec) and
+stop by themselves. Then the same workers change in place (the cluster's tp_mode, so their pools hold the padded MLP):
+requests decoding through a merge and a split keep their KV, and the merged instance holds more KV than the two whole
+ones together (each member released the MLP shards it no longer keeps).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from kunserve.v1 import common_pb2, worker_pb2_grpc
 pytestmark = pytest.mark.integration
 
 MEMBERS = ["worker-0", "worker-1"]
-# 26 MiB pools of 256 KiB pages: a whole instance keeps KV for 1280 tokens, a TP2 shard for 5632
-POOL = dict(pool_mib=26, page_kib=256)
+# 30 MiB pools of 256 KiB pages: a whole instance (padded MLP) keeps KV for 1280 tokens, a cold TP2 shard for 7680, an
+# in-place TP2 instance for 5632 (tp_capacity.py)
+POOL = dict(pool_mib=30, page_kib=256)
 LONG = [(i * 7 + 3) % 4000 + 10 for i in range(1300)]
 SHORT = [5, 6, 7, 8, 9]
 # kunctl with its imports done, waiting for a line on stdin: the re-form starts moments after the request streams
@@ -41,6 +44,7 @@ READY_KUNCTL = "import sys; from kunserve.cli import kunctl; sys.stdin.readline(
 def cluster(tmp_path_factory):
     cfg = make_config(2, budget="fixed", lookahead=False, **POOL)  # no profile to measure: a quick start
     cfg.dispatcher.route_timeout_s = 120  # a handed-over request waits for the re-formed instance (restart, rendezvous)
+    cfg.memory_manager.tp_mode = "in-place"  # the cold test asks for --cold
     c = LocalCluster(cfg, run_dir=tmp_path_factory.mktemp("tp-reform"))
     c.start(timeout_s=120)
     yield c
@@ -199,7 +203,7 @@ def test_a_long_request_is_served_after_a_reform_and_the_split_restores_whole_in
     assert isinstance(refused, grpc.aio.AioRpcError), refused
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV" in refused.details()
 
-    d = change_during(cluster, "cold-tp", "tp", "--group", ",".join(MEMBERS))
+    d = change_during(cluster, "cold-tp", "tp", "--group", ",".join(MEMBERS), "--cold")
     rep = d.report
     for prompt, res in zip(PROMPTS, d.results, strict=True):
         check_against_reference(prompt, res.token_ids, len(res.token_ids))
@@ -216,10 +220,11 @@ def test_a_long_request_is_served_after_a_reform_and_the_split_restores_whole_in
     assert long.worker_id == "worker-0"  # rank 0 is the instance; the follower takes no requests
     compare_greedy(long.token_ids, *reference_for(LONG, 8))
 
-    again = subprocess.run(kunctl_argv(cluster, "tp", "--group", ",".join(MEMBERS)), capture_output=True, text=True, timeout=120)
+    again = subprocess.run(kunctl_argv(cluster, "tp", "--group", ",".join(MEMBERS), "--cold"), capture_output=True,
+                           text=True, timeout=120)
     assert again.returncode == 1 and "FAILED_PRECONDITION" in again.stderr and "already in tensor-parallel" in again.stderr
 
-    d = change_during(cluster, "cold-split", "tp-split", "--group", "worker-1")
+    d = change_during(cluster, "cold-split", "tp-split", "--group", "worker-1", "--cold")
     rep = d.report
     for prompt, res in zip(PROMPTS, d.results, strict=True):
         check_against_reference(prompt, res.token_ids, len(res.token_ids))
@@ -242,19 +247,20 @@ def test_a_long_request_is_served_after_a_reform_and_the_split_restores_whole_in
 
 
 def test_requests_keep_their_kv_through_an_in_place_merge_and_split(cluster):
-    """`kunctl tp --in-place` while a request decodes on each worker, `kunctl tp-split --in-place` while two decode on
+    """`kunctl tp` (in place: the cluster's mode) while a request decodes on each worker, `kunctl tp-split` while two decode on
     the merged instance: every request keeps running with its KV (its tokens are the reference's and no prompt is
     computed twice), the dispatcher re-attaches the one that moved where it went, and the workers are the same
     processes (no re-exec). A request longer than a whole instance's KV is served in between."""
     pids = {w: cluster.child(w).proc.pid for w in MEMBERS}
     routed_to_both(cluster)
     computed = prompt_tokens(cluster)
-    d = change_during(cluster, "merge", "tp", "--group", ",".join(MEMBERS), "--in-place", spread=True)
+    d = change_during(cluster, "merge", "tp", "--group", ",".join(MEMBERS), spread=True)  # the cluster's mode
     rep = d.report
     assert sorted(d.started_on) == MEMBERS, d.started_on  # one on each whole instance
     assert rep["completed"] and rep["mode"] == "in-place" and rep["degree"] == 2 and rep["members"] == MEMBERS, rep
     assert rep.get("handed_over", 0) == 0, rep  # nothing handed over to re-prefill
-    assert rep["after"][0]["kv_tokens"] >= 2 * max(i["kv_tokens"] for i in rep["before"]), rep
+    # more than the two whole instances' KV together: each member gave the MLP shards it no longer keeps to its KV
+    assert rep["after"][0]["kv_tokens"] > 2 * max(i["kv_tokens"] for i in rep["before"]), rep
     for prompt, res in zip(PROMPTS, d.results, strict=True):
         assert res.worker_id == "worker-0", res  # the one that ran on worker-1 was re-attached at rank 0
         check_against_reference(prompt, res.token_ids, len(res.token_ids))
@@ -268,7 +274,7 @@ def test_requests_keep_their_kv_through_an_in_place_merge_and_split(cluster):
     compare_greedy(long.token_ids, *reference_for(LONG, 8))
 
     computed = prompt_tokens(cluster)
-    d = change_during(cluster, "split", "tp-split", "--group", "worker-1", "--in-place")
+    d = change_during(cluster, "split", "tp-split", "--group", "worker-1")
     rep = d.report
     assert d.started_on == ["worker-0", "worker-0"], d.started_on  # the merged instance is rank 0
     assert rep["completed"] and rep["mode"] == "in-place" and rep["op"] == "tp-split", rep

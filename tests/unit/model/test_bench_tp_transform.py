@@ -1,5 +1,6 @@
-"""bench/tp.py --transform --quick: running engines merge into TP2 and split back in place, the JSON says what it
-measured, the move maps and releases no pool page, and every request's tokens equal the dense reference's."""
+"""bench/tp.py --transform --quick: running engines (padded-MLP pools) merge into TP2 and split back in place, the JSON
+says what it measured, no page is mapped beyond the pool's (the released MLP pages go to the KV and come back), and
+every request's tokens equal the dense reference's."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def test_quick_transform_writes_its_rows_and_keeps_the_pages(tmp_path, capsys):
     rows = result["transform"]["rows"]
     assert len(rows) == 1
     r = rows[0]
-    assert r["degree"] == 2 and r["requests"] == 8
+    assert r["degree"] == 2 and r["requests"] == 8 and r["padded_mlp"] is True
+    assert r["weight_pages_released"] > 0 and r["kv_subblocks_merged"] > 2 * r["kv_blocks_per_member"]
     assert 0 < r["kv_used_share"] < 1 and r["kv_used_blocks"] > 0
     assert r["pages_mapped_before"] == r["pages_mapped_merged"] == r["pages_mapped_after"] > 0
     assert r["pages_unchanged"] is True

@@ -2,7 +2,8 @@
 by the cluster's TP mode: cold, a member's pool holds its weight shard, so each degree's figure is the pool layout's
 own rule on the sharded config (`tp_capacity.kv_tokens_by_degree`); in place the pool keeps the whole weights and d
 members hold d times the KV heads, so each degree's figure is d times the TP1 one. A worker holding part of the model
-reports nothing. The pool is a fake of the given size; the engine loop is never started."""
+reports nothing; with the padded MLP in its pool (`tp_capacity.in_place_kv_tokens_by_degree`) a member's released shards
+add to that. The pool is a fake of the given size; the engine loop is never started."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kunserve.services.worker.servicer import WorkerIdentity, WorkerServicer
 from kunserve.shared.engine.engine import Engine
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.model.architecture import TINY_CONFIG
-from kunserve.shared.model.tp_capacity import kv_tokens_by_degree
+from kunserve.shared.model.tp_capacity import in_place_kv_tokens_by_degree, kv_tokens_by_degree
 from kunserve.shared.model.weights import random_weights
 
 ENGINE_CFG = TINY_CONFIG.replace(num_layers=1, name="one")
@@ -29,12 +30,15 @@ class PooledInstance(Instance):
     cfg = CFG
     pool = SimpleNamespace(num_pages=NUM_PAGES, page_size=PAGE_SIZE, device=SimpleNamespace(type="cpu"))
     layout = SimpleNamespace(block_size=BLOCK_SIZE)
+    padded_mlp = False
 
 
-def servicer(tp_mode: str) -> WorkerServicer:
+def servicer(tp_mode: str, padded: bool = False) -> WorkerServicer:
     loop = EngineLoop(Engine(ENGINE_CFG, random_weights(ENGINE_CFG, 0), num_kv_blocks=64, block_size=BLOCK_SIZE))
     ident = WorkerIdentity("w0", "127.0.0.1:1", "kv4", CFG.num_layers, CFG.vocab_size, 2048, "cpu", "float32")
-    return WorkerServicer(ident, loop, PooledInstance((0, CFG.num_layers)), tp_mode=tp_mode)
+    instance = PooledInstance((0, CFG.num_layers))
+    instance.padded_mlp = padded
+    return WorkerServicer(ident, loop, instance, tp_mode=tp_mode)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +53,13 @@ def cold_rule() -> dict[int, int]:
 def test_in_place_every_degree_is_d_times_the_tp1_figure(cold_rule):
     got = servicer("in-place")._kv_tokens_by_degree(0, CFG.num_layers)
     assert got == {1: cold_rule[1], 2: 2 * cold_rule[1], 4: 4 * cold_rule[1]}
+
+
+def test_in_place_with_the_padded_mlp_adds_the_released_shards(cold_rule):
+    got = servicer("in-place", padded=True)._kv_tokens_by_degree(0, CFG.num_layers)
+    want = in_place_kv_tokens_by_degree(CFG, num_pages=NUM_PAGES, page_size=PAGE_SIZE, block_size=BLOCK_SIZE,
+                                        device_type="cpu", padded_mlp=True)
+    assert got == want and all(got[d] > d * got[1] for d in (2, 4))
 
 
 def test_cold_is_the_pool_layouts_rule_on_the_sharded_config(cold_rule):
