@@ -20,6 +20,7 @@ from kunserve.shared.engine.profiler import profile_layers
 from kunserve.shared.log import get_logger
 from kunserve.shared.memory.errors import MemoryPoolError
 from kunserve.shared.model.architecture import ModelConfig
+from kunserve.shared.model.tp_capacity import in_place_kv_tokens
 from kunserve.shared.model.tp_padding import SHARDS
 from kunserve.shared.model.weights import ModelSource, load_model_source
 from kunserve.shared.policy.batch_scheduler import FixedTokenBudget, SchedulerConfig, TokenBudget
@@ -79,10 +80,24 @@ def checkpoint_bytes(cfg: ClusterConfig, tp: TPMembership | None = None) -> int:
     return cfg.engine.checkpoint_mib * MIB if cfg.engine.coserving == "conserve" and tp is None else 0
 
 
-def padded_mlp(cfg: ClusterConfig, model: ModelConfig, tp: TPMembership | None) -> bool:
+def padded_mlp(cfg: ClusterConfig, model: ModelConfig, tp: TPMembership | None, device: str) -> bool:
     """A whole instance of a cluster that changes TP in place lays its MLP out in page-aligned shards, so that a scale-up
-    releases the shards a member no longer keeps (tp_padding.py); a model whose MLP does not split into them cannot."""
-    return cfg.memory_manager.tp_mode == "in-place" and tp is None and model.intermediate_size % SHARDS == 0
+    releases the shards a member no longer keeps (tp_padding.py). It cannot when the MLP does not split into them, or
+    when the gaps would leave the pool no KV block (large pages, a small model): it then keeps the whole weights and
+    its in-place members compute on a copy of their shard (logged)."""
+    if cfg.memory_manager.tp_mode != "in-place" or tp is not None:
+        return False
+    e = cfg.engine
+    why = ""
+    if model.intermediate_size % SHARDS:
+        why = f"intermediate size {model.intermediate_size} does not split into {SHARDS} shards"
+    elif in_place_kv_tokens(model, 1, num_pages=e.pool_mib * MIB // (e.page_kib * 1024), page_size=e.page_kib * 1024,
+                            block_size=e.block_size, device_type=torch.device(device).type, padded_mlp=True) <= 0:
+        why = (f"its page gaps leave the pool no KV block (engine.pool_mib = {e.pool_mib}, page_kib = {e.page_kib}); "
+               "a smaller page or a larger pool would")
+    if why:
+        get_logger().warning("padded_mlp_unavailable", reason=why)
+    return not why
 
 
 def make_microbatch_former(cfg: ClusterConfig, prof: Profile | None, found: str) -> tuple[MicrobatchFormer, str]:
@@ -166,7 +181,7 @@ def build_worker(cfg: ClusterConfig, worker_id: str, runtime_tp: TPArgs | None =
                                              offline_free_watermark=e.offline_free_watermark,
                                              coserving=e.coserving,
                                              preemption=overload_handling(cfg.policy.overload).preemption),
-            budget=budget, keep_host_copy=e.host_copy, padded_mlp=padded_mlp(cfg, mcfg, tp))
+            budget=budget, keep_host_copy=e.host_copy, padded_mlp=padded_mlp(cfg, mcfg, tp, device))
     except MemoryPoolError as exc:
         raise WorkerBuildError(f"memory pool: {exc} (engine.pool_mib = {e.pool_mib}, page_kib = {e.page_kib})") from None
     except (OSError, ValueError) as exc:

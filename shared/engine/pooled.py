@@ -69,6 +69,7 @@ class PooledInstance:
         except BaseException:
             self.pool.close()
             raise
+        self.padded_mlp = self.layout.shard_count > 0  # fixed at construction: read from any thread
         # The DRAM copy a restore reads from (KunServe §4.4: parameters replicated in host memory).
         self.host_copy: dict[str, torch.Tensor] | None = self.layout.host_copy() if keep_host_copy else None
         self._host_range = layer_range
@@ -211,11 +212,6 @@ class PooledInstance:
         self.engine.use_weights(self.layout.weights(), self.layer_range)
 
     # -- in-place tensor-parallel changes (tp_transform.MemberWeights) -----------------------------------
-    @property
-    def padded_mlp(self) -> bool:
-        """The pool holds the MLP in page-aligned shards: a TP member releases the others' pages in place."""
-        return self.layout.shard_count > 0
-
     def shard(self, rank: int, degree: int) -> Weights:
         """What rank `rank` of TP`degree` computes on: views of the pool's replicated tensors and of the MLP shards
         it keeps, and copies of its heads' attention weights (cut from the pool's; Gyges keeps attention whole)."""
@@ -247,7 +243,8 @@ class PooledInstance:
         """The whole model's views, the released shards taken back from the KV tails and refilled from the host copy
         (else the checkpoint) first."""
         if self.padded_mlp and self.layout.kept_shards != range(self.layout.shard_count):
-            source = self.host_copy if self.host_copy is not None else fused_source(self.source.load_weights(self.layer_range))
+            layers = list(self.layout.layers)
+            source = self.weight_source(layers, self.fallback_source(layers))
             result = self.layout.reclaim_shards(source, used_block_ids=used)
             get_logger().info("tp_shards_reclaimed", pages=result.pages_mapped, kv_blocks=result.new_num_blocks,
                               fill_s=round(result.fill_seconds, 4))

@@ -62,6 +62,7 @@ KV moves over the instance's process group (gloo: point-to-point sends), not the
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -73,6 +74,7 @@ from kunserve.shared.engine.engine import Engine, InstanceBroken
 from kunserve.shared.engine.kv_blocks import life_blocks
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.tensor_parallel import TPGroup
+from kunserve.shared.log import get_logger
 from kunserve.shared.memory import kv_head_split, kv_layout
 from kunserve.shared.memory.kv_head_split import SubBlockMove
 from kunserve.shared.model.architecture import ModelConfig
@@ -150,17 +152,14 @@ def run_moves(group: TPGroup, engine: Engine, phases: Sequence[Sequence[SubBlock
     sent = received = peak = 0
     for layer in range(engine.runner.start, engine.runner.end):
         phys = kv_layout.physical_view(engine.kv.layer_cache(layer))
-        try:
-            # the storage's cached views may have been made by a forward pass: inference tensors
-            with torch.inference_mode():
-                for tag, phase in enumerate(phases):
-                    n_out, n_in, n_self = _move_phase(group, phys, phase, tag)
-                    if layer == engine.runner.start:
-                        sent += n_out
-                        received += n_in - n_self
-                    peak = max(peak, (n_out + n_in) * phys[0].numel() * phys.element_size())
-        finally:
-            del phys  # a failure's traceback must not pin the KV pages a heal may unmap
+        # the storage's cached views may have been made by a forward pass: inference tensors
+        with torch.inference_mode():
+            for tag, phase in enumerate(phases):
+                n_out, n_in, n_self = _move_phase(group, phys, phase, tag)
+                if layer == engine.runner.start:
+                    sent += n_out
+                    received += n_in - n_self
+                peak = max(peak, (n_out + n_in) * phys[0].numel() * phys.element_size())
     return sent, received, peak
 
 
@@ -302,6 +301,7 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
         sent, received, peak, runner = _move_then_vote(group, engine, plan.phases, shard_cfg,
                                                        lambda: member.shard(me, degree))
     except Exception as exc:  # a member died, hung or failed before the commit: this member's KV is not trusted
+        traceback.clear_frames(exc.__traceback__)  # the failed frames' KV views must not pin pages a heal remaps
         engine.kv.merge_kv_heads(degree)
         engine.become_whole(mine, recompute=True)
         raise _healed("scale-up", me, degree, len(mine), exc) from exc
@@ -315,11 +315,31 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
                                          s.num_preemptions))
         owned.sort(key=lambda s: s.request.arrival_time)
     engine.change_shard(runner, owned, tensor_parallel=True)
-    member.commit_shard(me, degree)
-    engine.sync_kv_capacity()
+    _commit_shards(group, engine, member)
     moved = {s.request.request_id: 0 for m, snaps in enumerate(everyone) if m != 0 for s in snaps}
     return TransformReport("scale-up", me, degree, len(owned), len(moved), sent, received, peak, blocks_before,
                            engine.kv.num_blocks, time.monotonic() - t0, moved)
+
+
+def _commit_shards(group: TPGroup, engine: Engine, member: MemberWeights) -> None:
+    """After the scale-up's commit: every member releases what its shard no longer needs and the members check that
+    they still hold equal block counts. The instance exists by now, so a failure here cannot be undone: it breaks the
+    group (`group.broken`: its next collective raises InstanceBroken, and a worker exits and starts again)."""
+    me, degree = group.rank, group.degree
+    try:
+        member.commit_shard(me, degree)
+        engine.sync_kv_capacity()
+        blocks = engine.kv.num_blocks
+    except Exception as exc:  # noqa: BLE001 - reported through the gather below
+        get_logger().error("tp_commit_failed", rank=me, degree=degree, error=f"{type(exc).__name__}: {exc}")
+        blocks = -1
+    try:
+        counts = group.all_gather_int(blocks)
+    except InstanceBroken:
+        return  # the group says why
+    if len(set(counts)) != 1 or -1 in counts:
+        group.broken = (f"in-place TP{degree} scale-up committed but its members could not release their weight shards "
+                        f"to equal KV: blocks {counts} by rank (-1: failed)")
 
 
 def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: Weights | MemberWeights) -> TransformReport:
@@ -349,10 +369,10 @@ def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: We
         sent, received, peak, runner = _move_then_vote(group, engine, [plan.moves], whole_cfg,
                                                        lambda: member.whole(kept_subblocks))
     except Exception as exc:  # a member died, hung or failed mid-move: whole again, rank 0 with every request recomputed
+        traceback.clear_frames(exc.__traceback__)  # the failed frames' KV views must not pin pages a heal remaps
         kept = [_recomputed(s) for s in snaps] if me == 0 else []  # where their streams are: nothing moved yet
-        weights = member.whole(())
-        engine.kv.merge_kv_heads(degree)
-        engine.change_shard(engine.shard_runner(whole_cfg, weights), kept, tensor_parallel=False)
+        engine.kv.merge_kv_heads(degree)  # no local holds the weights: the raised error must not pin their views
+        engine.change_shard(engine.shard_runner(whole_cfg, member.whole(())), kept, tensor_parallel=False)
         raise _healed("scale-down", me, degree, len(kept), exc) from exc
     engine.kv.merge_kv_heads(degree)
     owned = [SeqSnapshot(s.request, list(s.generated), s.num_computed, [plan.block_maps[me][b] for b in s.blocks],

@@ -323,6 +323,10 @@ class LayerMemoryLayout:
         self._spec_cache: dict[int, tuple[TensorSpec, ...]] = {}
         self._k = 0
         self._released: range | None = None  # the shards kept while the others' pages are released
+        counts = {s.page_shards for x in range(num_layers_model) for s in self._specs(x) if s.page_shards}
+        if len(counts) > 1:
+            raise ValueError(f"page-sharded tensors split into different shard counts {sorted(counts)}")
+        self.shard_count = counts.pop() if counts else 0  # shards of the page-sharded tensors (0: none)
         self.generation = 0
 
         plan = self._plan(layer_start, layer_end)
@@ -864,14 +868,6 @@ class LayerMemoryLayout:
 
     # ------------------------------------------------------------------ tensor-parallel weight shards
     @property
-    def shard_count(self) -> int:
-        """Shards of the page-sharded tensors (0 when the layers hold none)."""
-        counts = {s.page_shards for _, s, _ in self._sharded()}
-        if len(counts) > 1:
-            raise ValueError(f"page-sharded tensors split into different shard counts {sorted(counts)}")
-        return counts.pop() if counts else 0
-
-    @property
     def kept_shards(self) -> range:
         """The shards whose pages are mapped: all of them unless `release_shards` gave the others' away."""
         return self._released if self._released is not None else range(self.shard_count)
@@ -930,7 +926,7 @@ class LayerMemoryLayout:
         for x in self.layers:
             self.pool.map(self._kv[x], self._k, self.pool.take_free(grow))
         self._k = plan.kv_pages_per_layer
-        self._released = keep
+        self._released = keep if keep != range(self.shard_count) else None
         self._after_remap()
         return RemapResult("release", (), self._start, self._end, old_blocks, self.num_blocks, unmapped,
                            grow * len(self.layers), self.pool.free_count, self.generation, time.perf_counter() - t0)
@@ -953,6 +949,16 @@ class LayerMemoryLayout:
             raise KVCapacityError(f"taking the weight shards back leaves {plan.num_blocks} KV blocks but blocks "
                                   f"{beyond[:8]} beyond it are in use", used_blocks=len(used),
                                   new_num_blocks=plan.num_blocks, needs_compaction=True)
+        get = source.__getitem__ if isinstance(source, Mapping) else source
+        wholes: list[torch.Tensor] = []  # every shard's source read and checked before any page moves
+        for _, s, _ in self._sharded():
+            try:
+                whole = get(s.name)
+            except KeyError as e:
+                raise WeightSourceError(s.name, "missing from the weight source") from e
+            if tuple(whole.shape) != s.shape:
+                raise WeightSourceError(s.name, f"shape {tuple(whole.shape)} != expected {s.shape}")
+            wholes.append(whole)
         t0 = time.perf_counter()
         old_blocks = self.num_blocks
         gone = [i for i in range(self.shard_count) if i not in self._released]
@@ -967,13 +973,9 @@ class LayerMemoryLayout:
             self.pool.map(vr, first, self.pool.take_free(n))
         self._released = None
         self._after_remap()
-        get = source.__getitem__ if isinstance(source, Mapping) else source
         fill_t0 = time.perf_counter()
         with torch.no_grad():
-            for a, s, off in self._sharded():
-                whole = get(s.name)
-                if tuple(whole.shape) != s.shape:
-                    raise WeightSourceError(s.name, f"shape {tuple(whole.shape)} != expected {s.shape}")
+            for (a, s, off), whole in zip(self._sharded(), wholes, strict=True):
                 for lo, hi in _runs(gone):
                     self._spec_view(a, s, off, range(lo, hi)).copy_(whole[lo:hi])
         return RemapResult("reclaim", (), self._start, self._end, old_blocks, self.num_blocks, unmapped,

@@ -1,9 +1,10 @@
-"""Transformation-aware routing in a real 2-worker cluster (README "Elastic tensor parallelism (Gyges)",
-`dispatcher.elastic_tp = true`): with no kunctl, a request longer than either whole instance's KV makes the dispatcher
-ask the memory manager, which scales the two co-located workers up into one TP2 instance and routes the request to its
-rank 0 (tokens equal the dense reference's); a request no layout of the cluster could hold is refused with
-INVALID_ARGUMENT naming the cluster's maximum, and triggers no re-form; once idle for memory_manager.tp_idle_split_s the
-merged instance splits back into whole ones by itself.
+"""Transformation-aware routing in a real 2-worker cluster that changes TP in place (README "Elastic tensor parallelism
+(Gyges)", `dispatcher.elastic_tp = true`, `memory_manager.tp_mode = "in-place"`): with no kunctl, a request longer than
+either whole instance's KV makes the dispatcher ask the memory manager, which merges the two co-located workers in
+place into one TP2 instance (the same processes; each releases the MLP shards it no longer keeps to its KV) and
+routes the request to its rank 0 (tokens equal the dense reference's); a request no layout of the cluster could hold
+is refused with INVALID_ARGUMENT naming the cluster's maximum (the in-place rule's), and triggers no change; once idle
+for memory_manager.tp_idle_split_s the merged instance splits back into whole ones by itself, in place.
 
 The model is the embedded one saved as a checkpoint with a context of 8192 tokens, so a request may be longer than
 the TP2 instance's KV (5632 tokens) without exceeding the model's context (which the dispatcher checks first)."""
@@ -21,7 +22,7 @@ from test_tp_reform import LONG, MEMBERS, POOL, SHORT, tp_members
 from kunserve import client
 from kunserve.cli.launcher import LocalCluster
 from kunserve.shared.model.architecture import TINY_CONFIG
-from kunserve.shared.model.tp_capacity import kv_tokens_by_degree
+from kunserve.shared.model.tp_capacity import in_place_kv_tokens_by_degree
 from kunserve.shared.model.weights import random_weights, save_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -33,7 +34,8 @@ IDLE_SPLIT_S = 8.0
 @pytest.fixture(scope="module")
 def capacity() -> dict[int, int]:
     pages = POOL["pool_mib"] * 1024 // POOL["page_kib"]
-    return kv_tokens_by_degree(TINY_CONFIG, num_pages=pages, page_size=POOL["page_kib"] * 1024, block_size=16, device_type="cpu")
+    return in_place_kv_tokens_by_degree(TINY_CONFIG, num_pages=pages, page_size=POOL["page_kib"] * 1024, block_size=16,
+                                        device_type="cpu", padded_mlp=True)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,7 @@ def cluster(tmp_path_factory):
     cfg = make_config(2, budget="fixed", lookahead=False, **POOL)
     cfg.model.path = str(model)
     cfg.dispatcher.elastic_tp = True
+    cfg.memory_manager.tp_mode = "in-place"
     # the wait covers a cold re-form (two process re-executions and model loads) on a loaded machine
     cfg.dispatcher.route_timeout_s = 240.0
     cfg.dispatcher.queue_timeout_s = 240.0
@@ -63,6 +66,7 @@ def generate(cluster, prompt, rid: str, max_tokens: int):
 
 def test_the_dispatcher_scales_up_for_a_long_request_and_refuses_one_no_layout_holds(cluster, capacity):
     assert capacity[1] < len(LONG) + 8 <= capacity[2] < CONTEXT  # the premise: TP1 cannot hold it, TP2 can
+    pids = {w: cluster.child(w).proc.pid for w in MEMBERS}
 
     too_long = CONTEXT - len(LONG)  # prompt + max_tokens = the model's context, more than TP2 holds
     refused = generate(cluster, LONG, "no-layout", too_long)
@@ -76,6 +80,8 @@ def test_the_dispatcher_scales_up_for_a_long_request_and_refuses_one_no_layout_h
     assert long.worker_id == "worker-0"  # rank 0 of the instance the memory manager formed for it
     compare_greedy(long.token_ids, *reference_for(LONG, 8))
     assert {w: tp_members(cluster, w) for w in MEMBERS} == {w: MEMBERS for w in MEMBERS}
+    assert {w: cluster.child(w).proc.pid for w in MEMBERS} == pids  # merged in place, never re-executed
+    assert "tp_shards_released" in (cluster.run_dir / "worker-1.log").read_text()
 
     short = generate(cluster, SHORT, "short-after", 8)
     assert not isinstance(short, BaseException), short
@@ -95,6 +101,8 @@ def test_the_dispatcher_scales_up_for_a_long_request_and_refuses_one_no_layout_h
     again = generate(cluster, SHORT, "short-whole", 8)
     assert not isinstance(again, BaseException), again
     compare_greedy(again.token_ids, *reference_for(SHORT, 8))
+    assert {w: cluster.child(w).proc.pid for w in MEMBERS} == pids  # split in place too
+    assert "tp_shards_reclaimed" in (cluster.run_dir / "worker-1.log").read_text()
 
 
 def test_every_worker_stops_by_itself(cluster):

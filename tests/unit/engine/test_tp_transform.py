@@ -213,6 +213,14 @@ def test_pooled_instances_change_parallelism_in_place_with_no_page_mapped_or_rel
             i.close()
 
 
+def padded_instances(degree: int) -> list[PooledInstance]:
+    """Whole pooled instances of the embedded model whose pools hold the padded MLP (64 KiB pages: small gaps)."""
+    src = load_model_source(None)
+    return [PooledInstance(src, layer_range=(0, src.config.num_layers), pool_bytes=22 << 20, page_size=64 << 10,
+                           block_size=BLOCK, backend="host", scheduler_config=SCHED, padded_mlp=True)
+            for _ in range(degree)]
+
+
 def test_a_padded_pool_gives_the_mlp_shards_a_member_no_longer_keeps_to_its_kv_and_takes_them_back():
     """Gyges §4.2 in the pool: the MLP stored in page-aligned shards; at the scale-up each member releases the shards it
     no longer computes on, in place, to its KV, so the merged instance holds more KV than its members did whole
@@ -222,9 +230,7 @@ def test_a_padded_pool_gives_the_mlp_shards_a_member_no_longer_keeps_to_its_kv_a
     src = load_model_source(None)
     cfg, weights = src.config, src.load_weights()
     degree = 2
-    insts = [PooledInstance(src, layer_range=(0, cfg.num_layers), pool_bytes=22 << 20, page_size=64 << 10,
-                            block_size=BLOCK, backend="host", scheduler_config=SCHED, padded_mlp=True)
-             for _ in range(degree)]
+    insts = padded_instances(degree)
     try:
         engines = [i.engine for i in insts]
         tokens = TokenLog()
@@ -271,6 +277,53 @@ def test_a_padded_pool_gives_the_mlp_shards_a_member_no_longer_keeps_to_its_kv_a
         assert tokens.finished == set(requests) | {"long"}
         for rid, prompt in [*requests.items(), ("long", long_prompt)]:
             ref, margins = reference_greedy(cfg, weights, prompt, 4 if rid == "long" else MAX_TOKENS)
+            compare_greedy(tokens.by_request[rid], ref, margins)
+    finally:
+        for i in insts:
+            i.close()
+
+
+def test_a_padded_member_failing_mid_split_heals_every_member_with_its_shards_back():
+    """A fault in rank 1's exchange during the split of a padded instance: both heal to whole instances, each taking
+    its released MLP shards back (the failed move's KV views do not pin the pages the heal remaps), and every request
+    ends with the reference's tokens on rank 0, re-prefilled."""
+    torch.set_num_threads(1)
+    cfg, weights = model("tiny")
+    degree = 2
+    insts = padded_instances(degree)
+    try:
+        engines = [i.engine for i in insts]
+        tokens = TokenLog()
+        requests = {}
+        for m, e in enumerate(engines):
+            for i, p in enumerate(prompts(m)):
+                requests[f"m{m}-r{i}"] = p
+                e.add_request(EngineRequest(f"m{m}-r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
+            step_until(e, tokens, tokens.at_least(3, e.seqs))
+        mapped, blocks = [i.pool.mapped_count for i in insts], [e.kv.num_blocks for e in engines]
+        port = free_port()
+        groups: list[TPGroup] = on_ranks(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=3, rendezvous_timeout_s=60))  # type: ignore[assignment]
+        on_ranks(degree, lambda r: scale_up(engines[r], groups[r], shard_config(cfg, degree), insts[r]))
+        assert all(i.layout.kept_shards != range(4) for i in insts)
+        decode_merged(groups, engines, tokens, tokens.at_least(6, requests))
+
+        def broken_exchange(*args, **kwargs):
+            raise InstanceBroken("injected: rank 1 stopped taking part")
+
+        groups[1].exchange = broken_exchange  # type: ignore[method-assign]
+        outcomes = on_ranks(degree, lambda r: _outcome(lambda q: scale_down(engines[q], groups[q], cfg, insts[q]), r))
+        assert all(isinstance(o, InstanceBroken) and "healed" in str(o) for o in outcomes), outcomes
+        for g in groups:
+            g.close()
+        for r, i in enumerate(insts):
+            assert i.layout.kept_shards == range(4) and i.pool.mapped_count == mapped[r]
+            assert engines[r].kv.num_blocks == blocks[r]
+            i.layout.check_invariants()
+        assert len(engines[0].seqs) == len(requests) and not engines[1].seqs
+        step_until(engines[0], tokens, lambda: False)
+        assert tokens.finished == set(requests)
+        for rid, prompt in requests.items():
+            ref, margins = reference_greedy(cfg, weights, prompt, MAX_TOKENS)
             compare_greedy(tokens.by_request[rid], ref, margins)
     finally:
         for i in insts:
