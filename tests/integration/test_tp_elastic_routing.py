@@ -28,7 +28,7 @@ from kunserve.shared.model.weights import random_weights, save_checkpoint
 pytestmark = pytest.mark.integration
 
 CONTEXT = 8192
-IDLE_SPLIT_S = 8.0
+IDLE_SPLIT_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,8 @@ def cluster(tmp_path_factory):
     # the wait covers a cold re-form (two process re-executions and model loads) on a loaded machine
     cfg.dispatcher.route_timeout_s = 240.0
     cfg.dispatcher.queue_timeout_s = 240.0
-    # long enough that the checks right after the long request still see the instance merged
+    # long enough that the checks right after the long request still see the instance merged (an in-place merge is
+    # done before the long request is sent on)
     cfg.memory_manager.tp_idle_split_s = IDLE_SPLIT_S
     c = LocalCluster(cfg, run_dir=tmp_path_factory.mktemp("tp-elastic"))
     c.start(timeout_s=120)

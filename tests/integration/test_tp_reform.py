@@ -268,6 +268,7 @@ def test_requests_keep_their_kv_through_an_in_place_merge_and_split(cluster):
     # no prompt computed twice (a second request started again until it ran beside the first counts its own)
     assert prompt_tokens(cluster) == computed + sum(map(len, PROMPTS)) + d.restarts * len(PROMPTS[1])
     assert tp_members(cluster, "worker-1") == MEMBERS
+    assert all("tp_shards_released" in (cluster.run_dir / f"{w}.log").read_text() for w in MEMBERS)
 
     long = generate(cluster, LONG, "long-in-place", 8)  # 1308 tokens: more than a whole instance holds
     assert not isinstance(long, BaseException), long

@@ -231,7 +231,7 @@ class LayoutMachine(RuleBasedStateMachine):
 
 
 LayoutMachine.TestCase.settings = settings(
-    max_examples=25, stateful_step_count=25, deadline=None,
+    max_examples=15, stateful_step_count=25, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestLayoutMachine = LayoutMachine.TestCase
