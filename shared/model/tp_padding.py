@@ -117,9 +117,9 @@ def sharded_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t
     g = torch.matmul(x.unsqueeze(0), gate.transpose(1, 2))
     u = torch.matmul(x.unsqueeze(0), up.transpose(1, 2))
     partial = torch.matmul(torch.nn.functional.silu(g) * u, down_t)
-    if partial.dtype == torch.float32:
-        return partial.sum(dim=0)
-    return partial.float().sum(dim=0).to(partial.dtype)  # half precision: the shards' sum accumulated in float32
+    if partial.dtype in (torch.float16, torch.bfloat16):  # half precision: the shards' sum accumulated in float32
+        return partial.float().sum(dim=0).to(partial.dtype)
+    return partial.sum(dim=0)
 
 
 def shards_shape(intermediate: int, hidden: int) -> tuple[int, int, int, int]:
