@@ -8,7 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReformTPRequest(_message.Message):
-    __slots__ = ("members", "rank", "port", "host", "rendezvous_timeout_s", "drain_timeout_s", "in_place")
+    __slots__ = ("members", "rank", "port", "host", "rendezvous_timeout_s", "drain_timeout_s", "in_place", "transfer_addresses")
+    class TransferAddressesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +23,7 @@ class ReformTPRequest(_message.Message):
     RENDEZVOUS_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     members: _containers.RepeatedScalarFieldContainer[str]
     rank: int
     port: int
@@ -23,7 +31,8 @@ class ReformTPRequest(_message.Message):
     rendezvous_timeout_s: float
     drain_timeout_s: float
     in_place: bool
-    def __init__(self, members: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., port: _Optional[int] = ..., host: _Optional[str] = ..., rendezvous_timeout_s: _Optional[float] = ..., drain_timeout_s: _Optional[float] = ..., in_place: _Optional[bool] = ...) -> None: ...
+    transfer_addresses: _containers.ScalarMap[str, str]
+    def __init__(self, members: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., port: _Optional[int] = ..., host: _Optional[str] = ..., rendezvous_timeout_s: _Optional[float] = ..., drain_timeout_s: _Optional[float] = ..., in_place: _Optional[bool] = ..., transfer_addresses: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ReformTPReply(_message.Message):
     __slots__ = ("worker_id", "reforming", "port", "host", "finished", "handed_over")

@@ -76,6 +76,7 @@ class TPWorker:
     num_layers: int
     kv_blocks: int
     block_size: int
+    transfer_address: str = ""  # its transfer listener (an in-place change moves the KV over the members' links)
 
     @property
     def tp_degree(self) -> int:
@@ -99,6 +100,7 @@ def tp_worker(info: worker_pb2.WorkerInfo, host: str) -> TPWorker:
         info.num_layers_model,
         info.kv_blocks_total,
         info.block_size,
+        info.transfer_address,
     )
 
 
@@ -265,10 +267,14 @@ class TPReformer:
             {w: r for w, r in zip(workers, got) if isinstance(r, Exception)},
         )
 
-    def _reform(self, members: Sequence[str], rank: int, port: int = 0, host: str = "",
-                in_place: bool = False) -> worker_pb2.ReformTPRequest:
+    def _reform(self, members: Sequence[str], rank: int, port: int = 0, host: str = "", in_place: bool = False,
+                found: Mapping[str, TPWorker] | None = None) -> worker_pb2.ReformTPRequest:
+        """A member's ReformTP; an in-place merge's names the members' transfer listeners (from `found`)."""
+        addresses = {w: found[w].transfer_address for w in members if w in found and found[w].transfer_address} \
+            if in_place and found is not None else {}
         return worker_pb2.ReformTPRequest(members=list(members), rank=rank, port=port, host=host,
-                                          rendezvous_timeout_s=self.timeout_s, in_place=in_place)
+                                          rendezvous_timeout_s=self.timeout_s, in_place=in_place,
+                                          transfer_addresses=addresses)
 
     def _mode(self, asked: str) -> str:
         mode = asked or self.mode
@@ -311,14 +317,16 @@ class TPReformer:
                                                  mode=mode)
             self.log.info("tp_reform_start", op="tp", members=ids, degree=degree, mode=mode)
             try:
-                first = await self._stub(ids[0]).ReformTP(self._reform(ids, 0, in_place=in_place), timeout=self.timeout_s)
+                first = await self._stub(ids[0]).ReformTP(self._reform(ids, 0, in_place=in_place, found=found),
+                                                          timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:
                 return await self._failed(report, ids, f"{ids[0]}: {exc.code().name}: {exc.details()}", t0)
             report.port = first.port
             report.handed_over = first.handed_over
             replies, failed = await self._each(
                 ids[1:],
-                lambda w, stub: stub.ReformTP(self._reform(ids, ids.index(w), first.port, first.host, in_place), timeout=self.timeout_s),
+                lambda w, stub: stub.ReformTP(self._reform(ids, ids.index(w), first.port, first.host, in_place, found),
+                                              timeout=self.timeout_s),
             )
             for r in replies.values():
                 report.handed_over += r.handed_over

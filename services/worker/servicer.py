@@ -80,7 +80,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._transition_timeout_s = transition_timeout_s
         # Streams of requests that move between workers (a transition's, an in-place TP change's): one per process.
         self.handover = StreamHandover(self.streams, engine_loop, transition_timeout_s)
-        self.in_place = InPlaceTP(engine_loop, instance, self.handover, lambda rid: rid in self.streams)
+        self.in_place = InPlaceTP(engine_loop, instance, self.handover, lambda rid: rid in self.streams,
+                                  lambda: self.transitions.peers if self.transitions is not None else None)
         self.reform_in_place = False  # `reform` is an in-place change under way (no re-exec follows)
         self._loop: asyncio.AbstractEventLoop | None = None  # the service's, for a follower thread's SPLIT
         self._context = contextvars.copy_context()
@@ -528,7 +529,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return worker_pb2.ReformTPReply(worker_id=wid, reforming=False, port=self.tp.port if self.tp else 0,
                                             host=self.tp.host if self.tp else "")
         if request.in_place:
-            return await self._reform_in_place(new, context)
+            return await self._reform_in_place(new, context, dict(request.transfer_addresses))
         await self._free_for_reform(context, len(members) > 1)
         self.reform = new
         self.log.info("tensor_parallel_reform", members=list(members), rank=new.rank, port=port, host=host)
@@ -540,7 +541,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                         handed_over=handed_over)
 
     # -- in-place tensor-parallel changes (tp_in_place.py) -----------------------------------------------------
-    async def _reform_in_place(self, new: TPArgs, context) -> worker_pb2.ReformTPReply:
+    async def _reform_in_place(self, new: TPArgs, context, addresses: dict[str, str]) -> worker_pb2.ReformTPReply:
         """Start an in-place scale-up (this worker joins `new`) or split (`new` is this worker alone; asked of rank 0,
         which takes the followers with it) and answer at once: the memory manager then waits for the new layout."""
         wid = self.identity.worker_id
@@ -559,10 +560,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.reform, self.reform_in_place = new, True
         self.log.info("tensor_parallel_reform", members=list(new.members), rank=new.rank, port=new.port, host=new.host,
                       in_place=True)
-        self._reforming = asyncio.ensure_future(self._merge_in_place(new) if joining else self._split_in_place())
+        self._reforming = asyncio.ensure_future(self._merge_in_place(new, addresses) if joining
+                                                else self._split_in_place())
         return worker_pb2.ReformTPReply(worker_id=wid, reforming=True, port=new.port, host=new.host)
 
-    async def _merge_in_place(self, new: TPArgs) -> None:
+    async def _merge_in_place(self, new: TPArgs, addresses: dict[str, str]) -> None:
         defaults = TensorParallelSection()
         host = new.host or self.identity.address.rsplit(":", 1)[0]
         membership = TPMembership(-1, new.rank, new.members, host, new.port, defaults.timeout_s,
@@ -571,7 +573,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._loop = asyncio.get_running_loop()
         self._context = contextvars.copy_context()  # the service's log context, for the split a follower thread starts
         try:
-            report = await self.in_place.merge(membership, self._follower_ended)
+            report = await self.in_place.merge(membership, self._follower_ended, addresses)
         except Exception as exc:  # refused, healed or never met: whole, as before (tp_in_place.py)
             self.log.error("tensor_parallel_in_place_failed", op="scale-up", members=list(new.members),
                            error=f"{type(exc).__name__}: {exc}", now="whole instance")

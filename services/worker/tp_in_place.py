@@ -6,8 +6,10 @@ Scale-up (`merge`, every member at once, each answering its ReformTP at once and
 
 1. this rank's shard of the model is loaded and the members meet (the rendezvous on rank 0's host) while the engine
    goes on serving the requests it has (new ones are refused with the re-forming trailer: the dispatcher waits);
-2. on the engine thread, between two iterations: `scale_up`; rank 0 opens buffered streams for the requests it
-   adopted (StreamHandover.receive) before the members pass a barrier, and then attaches as the leader;
+2. on the engine thread, between two iterations: `scale_up` (the KV moves over the transfer service's KV-exchange
+   class when this worker is linked to every member, tp_kv_transfer.py; else over the group's gloo); rank 0 opens
+   buffered streams for the requests it adopted (StreamHandover.receive) before the members pass a barrier, and then
+   attaches as the leader;
 3. back on the event loop a follower ends its requests' streams with `moved_to` rank 0 (the dispatcher re-attaches
    there and relays on from the next token) and starts following rank 0's steps.
 
@@ -25,7 +27,7 @@ A failure after the commit breaks the new instance: the membership's watch then 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kunserve.shared.engine.engine import Engine, InstanceBroken
 from kunserve.shared.engine.loop import EngineLoop
@@ -37,6 +39,8 @@ from kunserve.shared.model.tp_shard import sharded_source
 from kunserve.shared.model.weights import Weights
 
 from .handover import StreamHandover
+from .peers import PeerLinks, PeerUnreachable
+from .tp_kv_transfer import TransferSubBlocks
 from .tp_member import TPMembership
 
 RECEIVE_TIMEOUT_S = 30.0  # the engine thread waits this long for the event loop to open the received streams
@@ -53,16 +57,53 @@ class InPlaceTP:
     the pool keeps the whole weights and a member computes on a copy of its shard loaded at the scale-up."""
 
     def __init__(self, engine_loop: EngineLoop, instance: PooledInstance, handover: StreamHandover,
-                 owns_stream: Callable[[str], bool]) -> None:
+                 owns_stream: Callable[[str], bool],
+                 links: Callable[[], PeerLinks | None] = lambda: None) -> None:
         self.engine_loop = engine_loop
         self.instance = instance
         self.handover = handover
         self.owns_stream = owns_stream
+        self.links = links  # the worker's transfer links, when it has a transfer service: the KV moves over them
         self.log = get_logger()
 
+    async def _link(self, membership: TPMembership, addresses: Mapping[str, str]) -> None:
+        """Open the transfer links to the other members that are not open yet (best effort: without them the KV
+        moves over the group's gloo)."""
+        links = self.links()
+        if links is None:
+            return
+        for wid in membership.members:
+            if wid != membership.members[membership.rank] and addresses.get(wid) and wid not in links.svc.peers:
+                try:
+                    await links.link(wid, addresses[wid], membership.rendezvous_timeout_s)
+                except PeerUnreachable as exc:
+                    self.log.warning("tp_kv_link_failed", peer=wid, error=str(exc))
+
+    def _agreed(self, group: TPGroup, exchange: TransferSubBlocks | None, op: str) -> TransferSubBlocks | None:
+        """The transfer exchange when every member has one, else None on every member (gloo): the members must move
+        their KV over the same channel (engine thread: a collective of the group). A group that fails here changed
+        nothing on this member but cannot go on: RuntimeError (a merge is then refused; a split's member exits,
+        SplitBroken)."""
+        try:
+            every = group.all_gather_int(int(exchange is not None))
+        except InstanceBroken as exc:
+            raise RuntimeError(f"the members could not agree on the KV's channel: {exc}") from None
+        agreed = exchange if all(every) else None
+        self.log.info("tp_in_place_kv", op=op, via="transfer" if agreed is not None else "gloo",
+                      **({} if agreed is not None or exchange is None else {"why": "a member has no transfer link"}))
+        return agreed
+
+    def _exchange(self, membership: TPMembership, op: str) -> TransferSubBlocks | None:
+        """The KV moves of this change over the transfer service (None: over the group's gloo). Every member names
+        the change alike: the instance's rendezvous port is its own, and a formation changes up once and down once."""
+        links = self.links()
+        return TransferSubBlocks.between(links.svc if links is not None else None, asyncio.get_running_loop(),
+                                         membership.members, membership.rank, f"tp-kv:{membership.port}:{op}",
+                                         membership.timeout_s)
+
     # -- scale-up -------------------------------------------------------------------------------------------
-    async def merge(self, membership: TPMembership,
-                    on_follower_end: Callable[[TPFollower], None] | None = None) -> TransformReport:
+    async def merge(self, membership: TPMembership, on_follower_end: Callable[[TPFollower], None] | None = None,
+                    addresses: Mapping[str, str] | None = None) -> TransformReport:
         """This worker's part of a scale-up into `membership` (its group not formed yet). On success the membership
         has its group and role (not started: the caller starts it; a follower calls `on_follower_end` when its loop
         ends); ValueError / InstanceBroken / RuntimeError leave the worker whole (see the module docstring)."""
@@ -77,9 +118,11 @@ class InPlaceTP:
                                         device=self.instance.device)
         loop = asyncio.get_running_loop()
         committed: list[TransformReport] = []
+        await self._link(membership, addresses or {})
+        exchange = self._exchange(membership, "up")
 
         def on_engine(engine: Engine) -> TransformReport:
-            report = scale_up(engine, group, shard_source.config, shard)
+            report = scale_up(engine, group, shard_source.config, shard, exchange=self._agreed(group, exchange, "up"))
             committed.append(report)
             if rank == 0:  # before anything else can fail: a broken group then stops the engine (InstanceBroken)
                 membership.lead(group, engine)
@@ -120,12 +163,14 @@ class InPlaceTP:
         membership.cancel_tasks()
         announced: list[bool] = []  # SPLIT went out
         committed: list[TransformReport] = []  # scale_down returned
+        exchange = self._exchange(membership, "down")
 
         def on_engine(engine: Engine) -> TransformReport:
             check_split(engine, membership.degree, self.instance)  # refused here: the followers go on following
             announced.append(True)
             leader.split()
-            report = scale_down(engine, group, self.instance.cfg, self.instance)
+            report = scale_down(engine, group, self.instance.cfg, self.instance,
+                                exchange=self._agreed(group, exchange, "down"))
             committed.append(report)
             group.barrier()  # every follower's buffered streams are open before rank 0 says moved_to
             return report
@@ -160,9 +205,11 @@ class InPlaceTP:
         membership.cancel_tasks()
         loop = asyncio.get_running_loop()
         received: list[str] = []
+        exchange = self._exchange(membership, "down")
 
         def on_engine(engine: Engine) -> TransformReport:
-            report = scale_down(engine, group, self.instance.cfg, self.instance)
+            report = scale_down(engine, group, self.instance.cfg, self.instance,
+                                exchange=self._agreed(group, exchange, "down"))
             mine = {rid: o for rid, o in report.moved.items() if o == rank}
             self._receive_from_engine_thread(mine, loop)
             received.extend(mine)
@@ -195,3 +242,4 @@ class InPlaceTP:
             self.handover.receive(ids)
 
         asyncio.run_coroutine_threadsafe(receive(), loop).result(RECEIVE_TIMEOUT_S)
+

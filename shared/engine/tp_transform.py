@@ -56,7 +56,8 @@ page: they stay inside the blocks already mapped), not first; a scale-down refil
 host copy (or the checkpoint), not from its peers.  The transformation runs between two iterations of the instance
 (every request changes parallelism at once, between two of its tokens), not overlapped layer by layer with the
 computation in reversed layer order; so the order of the layers does not matter here and is the natural one. The
-KV moves over the instance's process group (gloo: point-to-point sends), not the transfer service.
+KV moves over the instance's process group (gloo: point-to-point sends) unless the caller gives another `Exchange`: a
+worker sends it over the transfer service's KV-exchange class, as KunServe's drops do.
 """
 
 from __future__ import annotations
@@ -145,17 +146,25 @@ class FixedWeights:
         return self.whole_weights
 
 
-def run_moves(group: TPGroup, engine: Engine, phases: Sequence[Sequence[SubBlockMove]]) -> tuple[int, int, int]:
+# One phase's point-to-point exchange: send sends[r] to rank r, fill recvs[r] from rank r; `tag` is unique within the
+# change (layer x phase). TPGroup.exchange (gloo) by default; a worker passes the transfer service's KV-exchange class
+# (services/worker/tp_kv_transfer.py). Raises InstanceBroken when a peer does not take part.
+Exchange = Callable[[dict[int, torch.Tensor], dict[int, torch.Tensor], int], None]
+
+
+def run_moves(group: TPGroup, engine: Engine, phases: Sequence[Sequence[SubBlockMove]],
+              exchange: Exchange | None = None) -> tuple[int, int, int]:
     """Run sub-block moves on every layer this engine holds, layer by layer and phase by phase: per phase, read every
     source this member has (for its peers and for itself), exchange with the peers, then write every destination.
     Slots count sub-blocks of the storage as it is read now. Returns (sent, received, peak staging bytes) per layer."""
     sent = received = peak = 0
-    for layer in range(engine.runner.start, engine.runner.end):
+    for i, layer in enumerate(range(engine.runner.start, engine.runner.end)):
         phys = kv_layout.physical_view(engine.kv.layer_cache(layer))
         # the storage's cached views may have been made by a forward pass: inference tensors
         with torch.inference_mode():
-            for tag, phase in enumerate(phases):
-                n_out, n_in, n_self = _move_phase(group, phys, phase, tag)
+            for p, phase in enumerate(phases):
+                n_out, n_in, n_self = _move_phase(group.rank, exchange or group.exchange, phys, phase,
+                                                  i * len(phases) + p)
                 if layer == engine.runner.start:
                     sent += n_out
                     received += n_in - n_self
@@ -163,10 +172,10 @@ def run_moves(group: TPGroup, engine: Engine, phases: Sequence[Sequence[SubBlock
     return sent, received, peak
 
 
-def _move_phase(group: TPGroup, phys: torch.Tensor, phase: Sequence[SubBlockMove], tag: int) -> tuple[int, int, int]:
+def _move_phase(me: int, exchange: Exchange, phys: torch.Tensor, phase: Sequence[SubBlockMove],
+                tag: int) -> tuple[int, int, int]:
     """One phase of one layer: read this member's sources, exchange with the peers, write its destinations. Returns
     the sub-blocks sent to peers, received in all, and moved within this member."""
-    me = group.rank
     out_slots: dict[int, list[int]] = {}
     in_slots: dict[int, list[int]] = {}
     for mv in phase:
@@ -179,7 +188,7 @@ def _move_phase(group: TPGroup, phys: torch.Tensor, phase: Sequence[SubBlockMove
     staged = {p: phys.index_select(0, _ids(s, phys.device)).cpu().contiguous() for p, s in out_slots.items()}
     local = staged.pop(me, None)
     recvs = {p: torch.empty((len(s), *phys.shape[1:]), dtype=phys.dtype) for p, s in in_slots.items() if p != me}
-    group.exchange(staged, recvs, tag=tag)
+    exchange(staged, recvs, tag)
     for p, t in recvs.items():
         phys.index_copy_(0, _ids(in_slots[p], phys.device), t.to(phys.device))
     if local is not None:
@@ -243,10 +252,10 @@ def _agree(group: TPGroup, op: str, error: str) -> None:
 
 
 def _move_then_vote(group: TPGroup, engine: Engine, phases: Sequence[Sequence[SubBlockMove]], cfg: ModelConfig,
-                    weights: Callable[[], Weights]) -> tuple[int, int, int, ModelRunner]:
+                    weights: Callable[[], Weights], exchange: Exchange | None) -> tuple[int, int, int, ModelRunner]:
     """The moves, then this member's runner for what it becomes, then the vote: every member ready, or every member
     raises (a member that cannot answer raises InstanceBroken), so none commits alone."""
-    sent, received, peak = run_moves(group, engine, phases)
+    sent, received, peak = run_moves(group, engine, phases, exchange)
     runner: ModelRunner | None = None
     why: Exception | None = None
     try:
@@ -266,7 +275,7 @@ def _member(weights: Weights | MemberWeights, *, as_shard: bool) -> MemberWeight
 
 
 def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weights | MemberWeights, *,
-             max_phase_subblocks: int = DEFAULT_PHASE_SUBBLOCKS) -> TransformReport:
+             max_phase_subblocks: int = DEFAULT_PHASE_SUBBLOCKS, exchange: Exchange | None = None) -> TransformReport:
     """This member's part of merging `group.degree` whole engines into one TP instance (module docstring). Every
     member's engine must be whole, idle between iterations, with the same block count; `shard_cfg` is this rank's
     shard of the model and `shard` its weights (or what gives them: "Weights" in the module docstring)."""
@@ -299,7 +308,7 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
         raise ValueError(f"members have different sub-block counts {sub_counts} (by rank) after the head split")
     try:
         sent, received, peak, runner = _move_then_vote(group, engine, plan.phases, shard_cfg,
-                                                       lambda: member.shard(me, degree))
+                                                       lambda: member.shard(me, degree), exchange)
     except Exception as exc:  # a member died, hung or failed before the commit: this member's KV is not trusted
         traceback.clear_frames(exc.__traceback__)  # the failed frames' KV views must not pin pages a heal remaps
         engine.kv.merge_kv_heads(degree)
@@ -342,7 +351,8 @@ def _commit_shards(group: TPGroup, engine: Engine, member: MemberWeights) -> Non
                         f"to equal KV: blocks {counts} by rank (-1: failed)")
 
 
-def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: Weights | MemberWeights) -> TransformReport:
+def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: Weights | MemberWeights, *,
+               exchange: Exchange | None = None) -> TransformReport:
     """This member's part of splitting its TP instance into `group.degree` whole engines (module docstring).
     ValueError, with nothing changed on any member, when the instance's requests cannot fit the whole instances."""
     t0 = time.monotonic()
@@ -367,7 +377,7 @@ def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: We
     kept_subblocks = [w * degree + j for w in plan.block_maps[me].values() for j in range(degree)]
     try:
         sent, received, peak, runner = _move_then_vote(group, engine, [plan.moves], whole_cfg,
-                                                       lambda: member.whole(kept_subblocks))
+                                                       lambda: member.whole(kept_subblocks), exchange)
     except Exception as exc:  # a member died, hung or failed mid-move: whole again, rank 0 with every request recomputed
         traceback.clear_frames(exc.__traceback__)  # the failed frames' KV views must not pin pages a heal remaps
         kept = [_recomputed(s) for s in snaps] if me == 0 else []  # where their streams are: nothing moved yet

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from helpers import generate_many, make_config, reference_for, run
 from oracle import compare_greedy
-from test_tp_reform import LONG, MEMBERS, POOL, SHORT, tp_members
+from test_tp_reform import LONG, MEMBERS, POOL, SHORT, kv_channels, tp_members
 
 from kunserve import client
 from kunserve.cli.launcher import LocalCluster
@@ -104,6 +104,7 @@ def test_the_dispatcher_scales_up_for_a_long_request_and_refuses_one_no_layout_h
     compare_greedy(again.token_ids, *reference_for(SHORT, 8))
     assert {w: cluster.child(w).proc.pid for w in MEMBERS} == pids  # split in place too
     assert "tp_shards_reclaimed" in (cluster.run_dir / "worker-1.log").read_text()
+    assert all(kv_channels(cluster, w) == [("up", "transfer"), ("down", "transfer")] for w in MEMBERS)
 
 
 def test_every_worker_stops_by_itself(cluster):

@@ -120,6 +120,17 @@ def moves(cluster, tag: str) -> list[tuple[str, str]]:
     return out
 
 
+def kv_channels(cluster, worker_id: str) -> list[tuple[str, str]]:
+    """(op, channel) of every in-place change's KV moves the worker logged: "transfer" (its KV-exchange class) or
+    "gloo"."""
+    out = []
+    for line in (cluster.run_dir / f"{worker_id}.log").read_text().splitlines():
+        if '"tp_in_place_kv"' in line:
+            ev = json.loads(line)
+            out.append((ev["op"], ev["via"]))
+    return out
+
+
 @dataclass
 class During:
     """What `change_during` saw: kunctl's report, each request's result (the tokens it had when cancelled), the worker
@@ -269,6 +280,11 @@ def test_requests_keep_their_kv_through_an_in_place_merge_and_split(cluster):
     assert prompt_tokens(cluster) == computed + sum(map(len, PROMPTS)) + d.restarts * len(PROMPTS[1])
     assert tp_members(cluster, "worker-1") == MEMBERS
     assert all("tp_shards_released" in (cluster.run_dir / f"{w}.log").read_text() for w in MEMBERS)
+    # both members moved the KV over the same channel: the transfer service's KV-exchange class, or gloo while a
+    # member's transfer listener is not back yet after the cold test's re-exec (its port still held; the elastic
+    # routing test, with no re-exec before, requires the transfer service)
+    channels = [kv_channels(cluster, w) for w in MEMBERS]
+    assert channels[0] == channels[1] and [op for op, _ in channels[0]] == ["up"], channels
 
     long = generate(cluster, LONG, "long-in-place", 8)  # 1308 tokens: more than a whole instance holds
     assert not isinstance(long, BaseException), long
@@ -286,6 +302,8 @@ def test_requests_keep_their_kv_through_an_in_place_merge_and_split(cluster):
         check_against_reference(prompt, res.token_ids, len(res.token_ids))
     assert prompt_tokens(cluster) == computed + sum(map(len, PROMPTS))
     assert {w: tp_members(cluster, w) for w in MEMBERS} == {w: [w] for w in MEMBERS}
+    channels = [kv_channels(cluster, w) for w in MEMBERS]
+    assert channels[0] == channels[1] and [op for op, _ in channels[0]] == ["up", "down"], channels
     assert {w: cluster.child(w).proc.pid for w in MEMBERS} == pids  # changed in place, never re-executed
 
 
