@@ -4,9 +4,10 @@ Each worker's pool holds the whole model with KV for fewer tokens than a long re
 room for it: the long request is refused (INVALID_ARGUMENT) by the whole instances, served after `kunctl tp --cold`
 with the whole model's greedy tokens, and after `kunctl tp-split --cold` both workers serve alone again with a short
 request's tokens unchanged. The workers re-execute in place (same pids, no pool memory carried across the exec) and
-stop by themselves. Then the same workers change in place (the cluster's tp_mode, so their pools hold the padded MLP):
-requests decoding through a merge and a split keep their KV, and the merged instance holds more KV than the two whole
-ones together (each member released the MLP shards it no longer keeps).
+stop by themselves. Before that, the same workers change in place (the cluster's tp_mode, so their pools hold the
+padded MLP): requests decoding through a merge and a split keep their KV (moved over the transfer service's
+KV-exchange class), and the merged instance holds more KV than the two whole ones together (each member released the
+MLP shards it no longer keeps).
 """
 
 from __future__ import annotations
@@ -204,6 +205,52 @@ def change_during(cluster, tag: str, *args, spread: bool = False) -> During:
     return run(scenario(), timeout=300)
 
 
+def test_requests_keep_their_kv_through_an_in_place_merge_and_split(cluster):
+    """`kunctl tp` (in place: the cluster's mode) while a request decodes on each worker, `kunctl tp-split` while two decode on
+    the merged instance: every request keeps running with its KV (its tokens are the reference's and no prompt is
+    computed twice), the dispatcher re-attaches the one that moved where it went, and the workers are the same
+    processes (no re-exec). A request longer than a whole instance's KV is served in between."""
+    pids = {w: cluster.child(w).proc.pid for w in MEMBERS}
+    routed_to_both(cluster)
+    computed = prompt_tokens(cluster)
+    d = change_during(cluster, "merge", "tp", "--group", ",".join(MEMBERS), spread=True)  # the cluster's mode
+    rep = d.report
+    assert sorted(d.started_on) == MEMBERS, d.started_on  # one on each whole instance
+    assert rep["completed"] and rep["mode"] == "in-place" and rep["degree"] == 2 and rep["members"] == MEMBERS, rep
+    assert rep.get("handed_over", 0) == 0, rep  # nothing handed over to re-prefill
+    # more than the two whole instances' KV together: each member gave the MLP shards it no longer keeps to its KV
+    assert rep["after"][0]["kv_tokens"] > 2 * max(i["kv_tokens"] for i in rep["before"]), rep
+    for prompt, res in zip(PROMPTS, d.results, strict=True):
+        assert res.worker_id == "worker-0", res  # the one that ran on worker-1 was re-attached at rank 0
+        check_against_reference(prompt, res.token_ids, len(res.token_ids))
+    assert moves(cluster, "merge") == [("worker-1", "worker-0")]
+    # no prompt computed twice (a second request started again until it ran beside the first counts its own)
+    assert prompt_tokens(cluster) == computed + sum(map(len, PROMPTS)) + d.restarts * len(PROMPTS[1])
+    assert tp_members(cluster, "worker-1") == MEMBERS
+    assert all("tp_shards_released" in (cluster.run_dir / f"{w}.log").read_text() for w in MEMBERS)
+    # the KV moved over the transfer service's KV-exchange class (the memory manager named the members' listeners)
+    assert all(kv_channels(cluster, w) == [("up", "transfer")] for w in MEMBERS), [kv_channels(cluster, w) for w in MEMBERS]
+
+    long = generate(cluster, LONG, "long-in-place", 8)  # 1308 tokens: more than a whole instance holds
+    assert not isinstance(long, BaseException), long
+    compare_greedy(long.token_ids, *reference_for(LONG, 8))
+
+    computed = prompt_tokens(cluster)
+    d = change_during(cluster, "split", "tp-split", "--group", "worker-1")
+    rep = d.report
+    assert d.started_on == ["worker-0", "worker-0"], d.started_on  # the merged instance is rank 0
+    assert rep["completed"] and rep["mode"] == "in-place" and rep["op"] == "tp-split", rep
+    assert sorted(i["members"] for i in rep["after"]) == [["worker-0"], ["worker-1"]], rep
+    assert sorted(r.worker_id for r in d.results) == MEMBERS  # shared between the whole instances: one moved
+    assert moves(cluster, "split") == [("worker-0", "worker-1")]
+    for prompt, res in zip(PROMPTS, d.results, strict=True):
+        check_against_reference(prompt, res.token_ids, len(res.token_ids))
+    assert prompt_tokens(cluster) == computed + sum(map(len, PROMPTS))
+    assert {w: tp_members(cluster, w) for w in MEMBERS} == {w: [w] for w in MEMBERS}
+    assert all(kv_channels(cluster, w) == [("up", "transfer"), ("down", "transfer")] for w in MEMBERS)
+    assert {w: cluster.child(w).proc.pid for w in MEMBERS} == pids  # changed in place, never re-executed
+
+
 def test_a_long_request_is_served_after_a_reform_and_the_split_restores_whole_instances(cluster):
     pids = {w: cluster.child(w).proc.pid for w in MEMBERS}
     pool_fds = {w: memfds(pid) for w, pid in pids.items()}
@@ -255,56 +302,6 @@ def test_a_long_request_is_served_after_a_reform_and_the_split_restores_whole_in
     assert {w: cluster.child(w).proc.pid for w in MEMBERS} == pids
     assert all(cluster.child(w).exit_code() is None for w in MEMBERS)
     assert {w: memfds(pid) for w, pid in pids.items()} == pool_fds
-
-
-def test_requests_keep_their_kv_through_an_in_place_merge_and_split(cluster):
-    """`kunctl tp` (in place: the cluster's mode) while a request decodes on each worker, `kunctl tp-split` while two decode on
-    the merged instance: every request keeps running with its KV (its tokens are the reference's and no prompt is
-    computed twice), the dispatcher re-attaches the one that moved where it went, and the workers are the same
-    processes (no re-exec). A request longer than a whole instance's KV is served in between."""
-    pids = {w: cluster.child(w).proc.pid for w in MEMBERS}
-    routed_to_both(cluster)
-    computed = prompt_tokens(cluster)
-    d = change_during(cluster, "merge", "tp", "--group", ",".join(MEMBERS), spread=True)  # the cluster's mode
-    rep = d.report
-    assert sorted(d.started_on) == MEMBERS, d.started_on  # one on each whole instance
-    assert rep["completed"] and rep["mode"] == "in-place" and rep["degree"] == 2 and rep["members"] == MEMBERS, rep
-    assert rep.get("handed_over", 0) == 0, rep  # nothing handed over to re-prefill
-    # more than the two whole instances' KV together: each member gave the MLP shards it no longer keeps to its KV
-    assert rep["after"][0]["kv_tokens"] > 2 * max(i["kv_tokens"] for i in rep["before"]), rep
-    for prompt, res in zip(PROMPTS, d.results, strict=True):
-        assert res.worker_id == "worker-0", res  # the one that ran on worker-1 was re-attached at rank 0
-        check_against_reference(prompt, res.token_ids, len(res.token_ids))
-    assert moves(cluster, "merge") == [("worker-1", "worker-0")]
-    # no prompt computed twice (a second request started again until it ran beside the first counts its own)
-    assert prompt_tokens(cluster) == computed + sum(map(len, PROMPTS)) + d.restarts * len(PROMPTS[1])
-    assert tp_members(cluster, "worker-1") == MEMBERS
-    assert all("tp_shards_released" in (cluster.run_dir / f"{w}.log").read_text() for w in MEMBERS)
-    # both members moved the KV over the same channel: the transfer service's KV-exchange class, or gloo while a
-    # member's transfer listener is not back yet after the cold test's re-exec (its port still held; the elastic
-    # routing test, with no re-exec before, requires the transfer service)
-    channels = [kv_channels(cluster, w) for w in MEMBERS]
-    assert channels[0] == channels[1] and [op for op, _ in channels[0]] == ["up"], channels
-
-    long = generate(cluster, LONG, "long-in-place", 8)  # 1308 tokens: more than a whole instance holds
-    assert not isinstance(long, BaseException), long
-    compare_greedy(long.token_ids, *reference_for(LONG, 8))
-
-    computed = prompt_tokens(cluster)
-    d = change_during(cluster, "split", "tp-split", "--group", "worker-1")
-    rep = d.report
-    assert d.started_on == ["worker-0", "worker-0"], d.started_on  # the merged instance is rank 0
-    assert rep["completed"] and rep["mode"] == "in-place" and rep["op"] == "tp-split", rep
-    assert sorted(i["members"] for i in rep["after"]) == [["worker-0"], ["worker-1"]], rep
-    assert sorted(r.worker_id for r in d.results) == MEMBERS  # shared between the whole instances: one moved
-    assert moves(cluster, "split") == [("worker-0", "worker-1")]
-    for prompt, res in zip(PROMPTS, d.results, strict=True):
-        check_against_reference(prompt, res.token_ids, len(res.token_ids))
-    assert prompt_tokens(cluster) == computed + sum(map(len, PROMPTS))
-    assert {w: tp_members(cluster, w) for w in MEMBERS} == {w: [w] for w in MEMBERS}
-    channels = [kv_channels(cluster, w) for w in MEMBERS]
-    assert channels[0] == channels[1] and [op for op, _ in channels[0]] == ["up", "down"], channels
-    assert {w: cluster.child(w).proc.pid for w in MEMBERS} == pids  # changed in place, never re-executed
 
 
 def test_every_worker_stops_by_itself(cluster):
