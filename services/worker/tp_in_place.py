@@ -27,6 +27,7 @@ A failure after the commit breaks the new instance: the membership's watch then 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Callable, Mapping
 
 from kunserve.shared.engine.engine import Engine, InstanceBroken
@@ -67,28 +68,34 @@ class InPlaceTP:
         self.log = get_logger()
 
     async def _link(self, membership: TPMembership, addresses: Mapping[str, str]) -> None:
-        """Open the transfer links to the other members that are not open yet (best effort: without them the KV
-        moves over the group's gloo)."""
+        """Open the transfer links to the other members that are not open yet, at once and each within a quarter of
+        the group's timeout, before the members meet (best effort: without them the KV moves over the group's
+        gloo)."""
         links = self.links()
         if links is None:
             return
-        for wid in membership.members:
-            if wid != membership.members[membership.rank] and addresses.get(wid) and wid not in links.svc.peers:
-                try:
-                    await links.link(wid, addresses[wid], membership.rendezvous_timeout_s)
-                except PeerUnreachable as exc:
-                    self.log.warning("tp_kv_link_failed", peer=wid, error=str(exc))
+        me = membership.members[membership.rank]
+        missing = [w for w in membership.members if w != me and addresses.get(w) and w not in links.svc.peers]
+
+        async def one(wid: str) -> None:
+            try:
+                await links.link(wid, addresses[wid], membership.timeout_s / 4)
+            except PeerUnreachable as exc:
+                self.log.warning("tp_kv_link_failed", peer=wid, error=str(exc))
+
+        await asyncio.gather(*(one(w) for w in missing))
 
     def _agreed(self, group: TPGroup, exchange: TransferSubBlocks | None, op: str) -> TransferSubBlocks | None:
         """The transfer exchange when every member has one, else None on every member (gloo): the members must move
-        their KV over the same channel (engine thread: a collective of the group). A group that fails here changed
-        nothing on this member but cannot go on: RuntimeError (a merge is then refused; a split's member exits,
-        SplitBroken)."""
+        their KV over the same channel (engine thread: a collective of the group). The change's messages carry rank
+        0's random nonce, so no message of an earlier change (one healed mid-move, on a port picked again) is taken
+        for this one's. A group that fails here changed nothing on this member but cannot go on: RuntimeError (a
+        merge is then refused; a split's member exits, SplitBroken)."""
         try:
-            every = group.all_gather_int(int(exchange is not None))
+            every = group.all_gather_int(secrets.randbelow(1 << 62) if exchange is not None else -1)
         except InstanceBroken as exc:
             raise RuntimeError(f"the members could not agree on the KV's channel: {exc}") from None
-        agreed = exchange if all(every) else None
+        agreed = exchange.named(f"{exchange.change}:{every[0]}") if exchange is not None and min(every) >= 0 else None
         self.log.info("tp_in_place_kv", op=op, via="transfer" if agreed is not None else "gloo",
                       **({} if agreed is not None or exchange is None else {"why": "a member has no transfer link"}))
         return agreed
@@ -112,13 +119,13 @@ class InPlaceTP:
         # a pool with the padded MLP gives the member its own pages (released in place at the commit); else a copy
         shard: Weights | PooledInstance = (self.instance if self.instance.padded_mlp
                                            else await asyncio.to_thread(shard_source.load_weights))
+        await self._link(membership, addresses or {})  # before the rendezvous, which absorbs the members' skew
         group = await asyncio.to_thread(TPGroup, rank, degree, membership.host, membership.port,
                                         timeout_s=membership.timeout_s,
                                         rendezvous_timeout_s=membership.rendezvous_timeout_s,
                                         device=self.instance.device)
         loop = asyncio.get_running_loop()
         committed: list[TransformReport] = []
-        await self._link(membership, addresses or {})
         exchange = self._exchange(membership, "up")
 
         def on_engine(engine: Engine) -> TransformReport:

@@ -1,14 +1,18 @@
 """An in-place TP change's KV moves over the transfer service's KV-exchange class (Gyges §4.3 moves the heads' KV
 between the members over the same channel KunServe's drops use), instead of the instance's gloo group.
 
-`tp_transform.run_moves` calls the exchange from the engine thread once per layer and phase, with a tag unique within
-the change. Each call submits one message per peer it sends to (the sub-blocks it read, staged in host memory, named
-``<change>:<tag>``) and waits, on the worker's event loop, for one message from every peer it expects under the
-same tag, copying each into its receive buffer. A peer ahead of this member may already send a later tag's message:
-it is kept until that call. A message of another change (a stale one, or a drop's KV) is dropped; only one change
-of either kind runs at a time (the memory manager's transition lock). A peer that sends nothing within the timeout,
-a lost link or a message of the wrong size raises InstanceBroken, which the transform heals as it does a gloo
-failure. The sends must stay alive until they are on the wire: the call returns only once they are.
+`tp_transform.run_moves` calls the exchange from the engine thread once per layer and phase, on every member, with a
+tag unique within the change. The members go in lockstep, as gloo's matched sends and receives kept them: each call
+submits one message to every other member (the sub-blocks it sends there, staged in host memory, or nothing), named
+``<change>:<tag>``, and waits, on the worker's event loop, for one message from every other member under the same
+tag, copying those it expects into their receive buffers; so no member runs more than one phase ahead of another
+and a member holds at most one phase of its peers' sub-blocks beyond its own staging. A message that comes before
+its call (its sender one phase ahead) is kept for it. A message of another change (an earlier change's, or a drop's
+KV) is dropped: the change's name carries rank 0's nonce (tp_in_place.py), and a drop's KV lands only outside an
+in-place change (the memory manager's transition lock; a member refuses to change while a transition's KV is still
+landing). A peer that sends nothing within the timeout, whose link is lost, or that sends the wrong size raises
+InstanceBroken, which the transform heals as it does a gloo failure. The sends must stay alive until they are on the
+wire: the call returns only once they are.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from kunserve.shared.engine.engine import InstanceBroken
 from kunserve.shared.log import get_logger
 from kunserve.shared.transfer.framing import KV_EXCHANGE
 from kunserve.shared.transfer.service import TransferService
+
+LINK_CHECK_S = 0.25  # how often a wait for the peers' messages looks at their links
 
 
 class TransferSubBlocks:
@@ -52,6 +58,10 @@ class TransferSubBlocks:
         assert svc is not None
         return cls(svc, loop, members, rank, change, timeout_s)
 
+    def named(self, change: str) -> TransferSubBlocks:
+        """The same exchange for the change named `change` (fresh: nothing kept early)."""
+        return TransferSubBlocks(self.svc, self.loop, self.members, self.rank, change, self.timeout_s)
+
     def __call__(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], tag: int) -> None:
         """Engine thread: the exchange of one phase (module docstring)."""
         fut = asyncio.run_coroutine_threadsafe(self._exchange(sends, recvs, tag), self.loop)
@@ -66,37 +76,47 @@ class TransferSubBlocks:
 
     async def _exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], tag: int) -> None:
         name = f"{self.change}:{tag}"
-        handles = [self.svc.submit(self.members[r], KV_EXCHANGE, t, name=name) for r, t in sorted(sends.items())]
+        peers = [r for r in range(len(self.members)) if r != self.rank]
+        nothing = torch.empty(0, dtype=torch.uint8)
+        handles = [self.svc.submit(self.members[r], KV_EXCHANGE, sends.get(r, nothing), name=name) for r in peers]
         self.sent_bytes += sum(t.numel() * t.element_size() for t in sends.values())
-        want = {self.members[r]: r for r in recvs}
+        want = {self.members[r]: r for r in peers}
         for peer in list(want):
             early = self._early.pop((peer, tag), None)
             if early is not None:
-                self._take(recvs[want.pop(peer)], early, peer)
+                self._take(recvs.get(want.pop(peer)), early, peer)
         deadline = time.monotonic() + self.timeout_s
         while want:
-            try:
-                msg = await self.svc.recv(KV_EXCHANGE, timeout=max(0.0, deadline - time.monotonic()))
+            lost = [p for p in want if p not in self.svc.peers]
+            if lost:
+                raise TimeoutError(f"the transfer link to {', '.join(sorted(lost))} is lost")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no sub-blocks from {', '.join(sorted(want))} within {self.timeout_s} s")
+            try:  # a short wait, so a lost link is seen within it
+                msg = await self.svc.recv(KV_EXCHANGE, timeout=min(left, LINK_CHECK_S))
             except TimeoutError:
-                raise TimeoutError(f"no sub-blocks from {', '.join(sorted(want))} within {self.timeout_s} s") from None
-            change, _, got = msg.header.name.rpartition(":")
-            if change != self.change or not got.isdigit() or msg.peer not in self.members:
-                get_logger().warning("stale_kv_message_dropped", peer=msg.peer, name=msg.header.name)
                 continue
-            if int(got) == tag and msg.peer in want:
-                self._take(recvs[want.pop(msg.peer)], msg.data, msg.peer)
-            elif int(got) > tag:
+            change, _, got = msg.header.name.rpartition(":")
+            if (change != self.change or not got.isdigit() or msg.peer not in self.members
+                    or msg.peer not in want and int(got) <= tag):
+                get_logger().warning("stale_kv_message_dropped", peer=msg.peer, name=msg.header.name)
+            elif int(got) == tag:
+                self._take(recvs.get(want.pop(msg.peer)), msg.data, msg.peer)
+            else:  # its sender is one phase ahead
                 self._early[(msg.peer, int(got))] = msg.data
                 self.kept_early += 1
-            else:
-                get_logger().warning("stale_kv_message_dropped", peer=msg.peer, name=msg.header.name)
         for h in handles:  # the staged sends must outlive their chunks on the wire
-            await h.wait(max(0.1, deadline - time.monotonic()))
+            await h.wait(self.timeout_s)
 
-    def _take(self, into: torch.Tensor, data: torch.Tensor, peer: str) -> None:
-        nbytes = into.numel() * into.element_size()
+    def _take(self, into: torch.Tensor | None, data: torch.Tensor, peer: str) -> None:
+        """Copy a peer's message into its buffer; a peer this member expects nothing from sends nothing."""
+        if into is None:
+            if data.numel():
+                raise ValueError(f"{peer} sent {data.numel()} elements where nothing was expected")
+            return
         if data.dtype != into.dtype or data.numel() != into.numel():
             raise ValueError(f"{peer} sent {data.numel()} {data.dtype} elements, {into.numel()} {into.dtype} expected")
         with torch.inference_mode():  # the buffers were made under the engine thread's inference mode
             into.copy_(data.reshape(into.shape))
-        self.received_bytes += nbytes
+        self.received_bytes += into.numel() * into.element_size()

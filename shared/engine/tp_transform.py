@@ -183,8 +183,7 @@ def _move_phase(me: int, exchange: Exchange, phys: torch.Tensor, phase: Sequence
             out_slots.setdefault(mv.dst, []).append(mv.src_slot)
         if mv.dst == me:
             in_slots.setdefault(mv.src, []).append(mv.dst_slot)
-    if not out_slots and not in_slots:
-        return 0, 0, 0
+    # called even with nothing to move: an exchange may keep the members in lockstep (tp_kv_transfer.py)
     staged = {p: phys.index_select(0, _ids(s, phys.device)).cpu().contiguous() for p, s in out_slots.items()}
     local = staged.pop(me, None)
     recvs = {p: torch.empty((len(s), *phys.shape[1:]), dtype=phys.dtype) for p, s in in_slots.items() if p != me}

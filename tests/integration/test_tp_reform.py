@@ -209,7 +209,8 @@ def test_requests_keep_their_kv_through_an_in_place_merge_and_split(cluster):
     """`kunctl tp` (in place: the cluster's mode) while a request decodes on each worker, `kunctl tp-split` while two decode on
     the merged instance: every request keeps running with its KV (its tokens are the reference's and no prompt is
     computed twice), the dispatcher re-attaches the one that moved where it went, and the workers are the same
-    processes (no re-exec). A request longer than a whole instance's KV is served in between."""
+    processes (no re-exec). A request longer than a whole instance's KV is served in between. It runs before the cold
+    test: after a re-exec a worker's transfer port stays held for a while, and the KV would move over gloo."""
     pids = {w: cluster.child(w).proc.pid for w in MEMBERS}
     routed_to_both(cluster)
     computed = prompt_tokens(cluster)

@@ -18,6 +18,7 @@ from oracle import compare_greedy
 from test_tp_transform import MAX_TOKENS, decode_merged, decoding_engines, model
 
 from kunserve.benchkit.tp_members import free_port, on_ranks
+from kunserve.services.worker.tp_in_place import InPlaceTP
 from kunserve.services.worker.tp_kv_transfer import TransferSubBlocks
 from kunserve.shared.engine.engine import InstanceBroken
 from kunserve.shared.engine.tensor_parallel import TPGroup
@@ -76,24 +77,43 @@ def net3() -> Iterator[Net]:
     net.close()
 
 
-def test_each_phase_arrives_where_it_belongs_and_an_early_message_waits_for_its_call(net3):
-    """Rank 0 receives from ranks 1 and 2 at tags 0 and 1; rank 2 sends both at once, rank 1 late: rank 2's tag-1
-    message reaches rank 0 while it still waits for rank 1's tag 0, and is kept for the tag-1 call."""
-    sent = {(src, tag): torch.randn(4, 2, 8) for src in (1, 2) for tag in (0, 1)}
-    got: dict[tuple[int, int], torch.Tensor] = {}
-    exchanges = [net3.exchange(r) for r in range(3)]
+def test_each_phase_arrives_where_it_belongs_in_lockstep(net3):
+    """Every member calls every tag and hears from every other one (nothing where it sends nothing), so none runs
+    more than one phase ahead."""
+    pairs = [(src, dst, tag) for tag in (0, 1, 2) for src in range(3) for dst in range(3) if src != dst]
+    sent = {k: torch.randn(4, 2, 8) for k in pairs if sum(k) % 3}  # some pairs move nothing at some tags
+    got: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def member(rank: int) -> None:
-        for tag in (0, 1):
-            if rank == 1 and tag == 0:
-                time.sleep(0.3)
-            recvs = {p: torch.empty(4, 2, 8) for p in (1, 2)} if rank == 0 else {}
-            exchanges[rank]({0: sent[(rank, tag)]} if rank else {}, recvs, tag)
-            got.update({(p, tag): t for p, t in recvs.items()})
+        ex = net3.exchange(rank)
+        for tag in (0, 1, 2):
+            recvs = {src: torch.empty(4, 2, 8) for (src, dst, t) in sent if dst == rank and t == tag}
+            ex({dst: t for (src, dst, tg), t in sent.items() if src == rank and tg == tag}, recvs, tag)
+            got.update({(src, rank, tag): t for src, t in recvs.items()})
 
     on_ranks(3, member)
     assert got.keys() == sent.keys() and all(torch.equal(got[k], sent[k]) for k in sent)
-    assert exchanges[0].kept_early >= 1
+
+
+def test_a_message_one_phase_ahead_waits_for_its_call(net3):
+    """Rank 2's tag-1 message reaches rank 0 while rank 0 still waits for rank 1's tag 0: kept, and used at tag 1."""
+    net = net3
+    queue = net.svcs[0]._queue(KV_EXCHANGE)
+    a0, a1, b0, b1 = (torch.full((3,), float(v)) for v in (10, 11, 20, 21))
+    net.call(_submit(net.svcs[2], "w0", b0, "c:0"))
+    net.call(_submit(net.svcs[2], "w0", b1, "c:1"))
+    deadline = time.monotonic() + 10
+    while queue.qsize() < 2:  # both of rank 2's messages wait at rank 0 before rank 1's first one is sent
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    net.call(_submit(net.svcs[1], "w0", a0, "c:0"))
+    net.call(_submit(net.svcs[1], "w0", a1, "c:1"))
+    ex = net.exchange(0, change="c")
+    for tag, (want1, want2) in enumerate([(a0, b0), (a1, b1)]):
+        recvs = {1: torch.empty(3), 2: torch.empty(3)}
+        ex({}, recvs, tag)
+        assert torch.equal(recvs[1], want1) and torch.equal(recvs[2], want2)
+    assert ex.kept_early == 1
 
 
 def test_another_changes_message_is_dropped(net3):
@@ -106,7 +126,7 @@ def test_another_changes_message_is_dropped(net3):
         if rank == 0:
             assert torch.equal(recvs[1], torch.full((3,), 7.0))
 
-    on_ranks(2, member)
+    on_ranks(3, member)
 
 
 async def _submit(svc: TransferService, peer: str, t: torch.Tensor, name: str) -> None:
@@ -125,8 +145,8 @@ def test_a_peer_that_sends_nothing_or_the_wrong_size_breaks_the_change(net3):
             return exc
         return None
 
-    outcomes = on_ranks(2, member)
-    assert isinstance(outcomes[0], InstanceBroken) and "5" in str(outcomes[0]) and outcomes[1] is None
+    outcomes = on_ranks(3, member)
+    assert isinstance(outcomes[0], InstanceBroken) and "5" in str(outcomes[0]) and outcomes[1:] == [None, None]
 
 
 def test_a_worker_without_a_link_to_every_member_moves_its_kv_over_gloo(net3):
@@ -169,3 +189,22 @@ def test_whole_engines_merge_and_split_with_their_kv_over_the_transfer_service()
             compare_greedy(tokens.by_request[rid], ref, margins)
     finally:
         net.close()
+
+
+def test_the_members_agree_on_one_channel_and_one_name_for_the_change(net3):
+    """Every member over the transfer service, under a name carrying rank 0's nonce (fresh per change), or every
+    member over gloo when one has no link."""
+    port = free_port()
+    groups: list[TPGroup] = on_ranks(2, lambda r: TPGroup(r, 2, "127.0.0.1", port, timeout_s=30, rendezvous_timeout_s=30))  # type: ignore[assignment]
+    tp = InPlaceTP(None, None, None, lambda rid: False)  # type: ignore[arg-type]
+    try:
+        first = on_ranks(2, lambda r: tp._agreed(groups[r], net3.exchange(r, "tp-kv:5:up"), "up"))
+        again = on_ranks(2, lambda r: tp._agreed(groups[r], net3.exchange(r, "tp-kv:5:up"), "up"))
+        names = [[x.change for x in xs] for xs in (first, again)]  # type: ignore[union-attr]
+        assert names[0][0] == names[0][1] and names[1][0] == names[1][1] and names[0][0] != names[1][0]
+        assert names[0][0].startswith("tp-kv:5:up:")
+        mixed = on_ranks(2, lambda r: tp._agreed(groups[r], net3.exchange(r, "tp-kv:5:up") if r == 0 else None, "up"))
+        assert mixed == [None, None]
+    finally:
+        for g in groups:
+            g.close()
