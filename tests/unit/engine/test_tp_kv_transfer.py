@@ -14,8 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from oracle import compare_greedy
-from test_tp_transform import MAX_TOKENS, decode_merged, decoding_engines, model
+from test_tp_transform import assert_reference_tokens, decode_merged, decoding_engines, model
 
 from kunserve.benchkit.tp_members import free_port, on_ranks
 from kunserve.services.worker.tp_in_place import InPlaceTP
@@ -23,7 +22,6 @@ from kunserve.services.worker.tp_kv_transfer import TransferSubBlocks
 from kunserve.shared.engine.engine import InstanceBroken
 from kunserve.shared.engine.tensor_parallel import TPGroup
 from kunserve.shared.engine.tp_transform import scale_down, scale_up
-from kunserve.shared.model.reference import reference_greedy
 from kunserve.shared.model.tp_degree import shard_config
 from kunserve.shared.model.tp_shard import shard_weights
 from kunserve.shared.transfer import KV_EXCHANGE, MemoryTransport, TransferConfig, TransferService
@@ -184,9 +182,7 @@ def test_whole_engines_merge_and_split_with_their_kv_over_the_transfer_service()
             while e.has_work():
                 tokens.add(e.step())
         assert tokens.finished == set(requests)
-        for rid, prompt in requests.items():
-            ref, margins = reference_greedy(cfg, weights, prompt, MAX_TOKENS)
-            compare_greedy(tokens.by_request[rid], ref, margins)
+        assert_reference_tokens(cfg, weights, requests, tokens)
     finally:
         net.close()
 

@@ -56,6 +56,20 @@ def step_until(engine: Engine, tokens: TokenLog, done: Callable[[], bool], limit
 def decoding_engines(cfg: ModelConfig, weights: Weights, degree: int) -> tuple[list[Engine], dict[str, list[int]], TokenLog]:
     """`degree` whole engines, each with two requests (`prompts(m)`) a few tokens into their decode."""
     engines = [Engine(cfg, weights, num_kv_blocks=BLOCKS, block_size=BLOCK, scheduler_config=SCHED) for _ in range(degree)]
+    requests, tokens = start_decoding(engines)
+    return engines, requests, tokens
+
+
+def assert_reference_tokens(cfg: ModelConfig, weights: Weights, requests: dict[str, list[int]], tokens: TokenLog,
+                            max_tokens: int = MAX_TOKENS) -> None:
+    """Every request's greedy tokens are the dense reference's (within the oracle's near-tie rule)."""
+    for rid, prompt in requests.items():
+        ref, margins = reference_greedy(cfg, weights, prompt, max_tokens)
+        compare_greedy(tokens.by_request[rid], ref, margins)
+
+
+def start_decoding(engines: list[Engine]) -> tuple[dict[str, list[int]], TokenLog]:
+    """Two requests (`prompts(m)`) on each engine m, stepped a few tokens into their decode."""
     requests: dict[str, list[int]] = {}
     tokens = TokenLog()
     for m, e in enumerate(engines):
@@ -63,7 +77,7 @@ def decoding_engines(cfg: ModelConfig, weights: Weights, degree: int) -> tuple[l
             requests[f"m{m}-r{i}"] = p
             e.add_request(EngineRequest(f"m{m}-r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
         step_until(e, tokens, tokens.at_least(3, e.seqs))
-    return engines, requests, tokens
+    return requests, tokens
 
 
 def decode_merged(groups: list, engines: list[Engine], tokens: TokenLog, done: Callable[[], bool],
@@ -177,14 +191,7 @@ def test_pooled_instances_change_parallelism_in_place_with_no_page_mapped_or_rel
                             backend="host", scheduler_config=SCHED) for _ in range(degree)]
     try:
         engines = [i.engine for i in insts]
-        tokens = TokenLog()
-        requests = {}
-        for m, e in enumerate(engines):
-            for i, p in enumerate(prompts(m)):
-                rid = f"m{m}-r{i}"
-                requests[rid] = p
-                e.add_request(EngineRequest(rid, p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
-            step_until(e, tokens, tokens.at_least(3, e.seqs))
+        requests, tokens = start_decoding(engines)
         mapped = [i.pool.mapped_count for i in insts]
         blocks = [e.kv.num_blocks for e in engines]
         port = free_port()
@@ -205,9 +212,7 @@ def test_pooled_instances_change_parallelism_in_place_with_no_page_mapped_or_rel
         for e in engines:
             step_until(e, tokens, lambda: False)
         assert tokens.finished == set(requests)
-        for rid, prompt in requests.items():
-            ref, margins = reference_greedy(cfg, weights, prompt, MAX_TOKENS)
-            compare_greedy(tokens.by_request[rid], ref, margins)
+        assert_reference_tokens(cfg, weights, requests, tokens)
     finally:
         for i in insts:
             i.close()
@@ -233,13 +238,7 @@ def test_a_padded_pool_gives_the_mlp_shards_a_member_no_longer_keeps_to_its_kv_a
     insts = padded_instances(degree)
     try:
         engines = [i.engine for i in insts]
-        tokens = TokenLog()
-        requests = {}
-        for m, e in enumerate(engines):
-            for i, p in enumerate(prompts(m)):
-                requests[f"m{m}-r{i}"] = p
-                e.add_request(EngineRequest(f"m{m}-r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
-            step_until(e, tokens, tokens.at_least(3, e.seqs))
+        requests, tokens = start_decoding(engines)
         mapped = [i.pool.mapped_count for i in insts]
         weight_pages = [i.layout.weight_pages for i in insts]
         blocks = [e.kv.num_blocks for e in engines]
@@ -293,13 +292,7 @@ def test_a_padded_member_failing_mid_split_heals_every_member_with_its_shards_ba
     insts = padded_instances(degree)
     try:
         engines = [i.engine for i in insts]
-        tokens = TokenLog()
-        requests = {}
-        for m, e in enumerate(engines):
-            for i, p in enumerate(prompts(m)):
-                requests[f"m{m}-r{i}"] = p
-                e.add_request(EngineRequest(f"m{m}-r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
-            step_until(e, tokens, tokens.at_least(3, e.seqs))
+        requests, tokens = start_decoding(engines)
         mapped, blocks = [i.pool.mapped_count for i in insts], [e.kv.num_blocks for e in engines]
         port = free_port()
         groups: list[TPGroup] = on_ranks(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=3, rendezvous_timeout_s=60))  # type: ignore[assignment]
@@ -322,9 +315,7 @@ def test_a_padded_member_failing_mid_split_heals_every_member_with_its_shards_ba
         assert len(engines[0].seqs) == len(requests) and not engines[1].seqs
         step_until(engines[0], tokens, lambda: False)
         assert tokens.finished == set(requests)
-        for rid, prompt in requests.items():
-            ref, margins = reference_greedy(cfg, weights, prompt, MAX_TOKENS)
-            compare_greedy(tokens.by_request[rid], ref, margins)
+        assert_reference_tokens(cfg, weights, requests, tokens)
     finally:
         for i in insts:
             i.close()
@@ -361,9 +352,7 @@ def test_a_member_failing_mid_move_heals_every_member_to_whole_with_its_requests
         assert all(s.num_computed == 0 for s in e.seqs.values())  # their KV is not trusted: they re-prefill
         step_until(e, tokens, lambda: False)
     assert tokens.finished == set(requests)
-    for rid, prompt in requests.items():
-        ref, margins = reference_greedy(cfg, weights, prompt, MAX_TOKENS)
-        compare_greedy(tokens.by_request[rid], ref, margins)
+    assert_reference_tokens(cfg, weights, requests, tokens)
 
 
 def _outcome(fn: Callable[[int], object], rank: int) -> object:
@@ -401,9 +390,7 @@ def test_a_member_that_cannot_build_its_shard_makes_every_member_heal_and_none_o
         assert e.kv.kv_heads_per_block == cfg.num_kv_heads and e.cfg is cfg
         step_until(e, tokens, lambda: False)
     assert tokens.finished == set(requests)
-    for rid, prompt in requests.items():
-        ref, margins = reference_greedy(cfg, weights, prompt, MAX_TOKENS)
-        compare_greedy(tokens.by_request[rid], ref, margins)
+    assert_reference_tokens(cfg, weights, requests, tokens)
 
 
 def test_a_check_failing_on_one_member_refuses_on_every_member_and_changes_nothing():
