@@ -23,7 +23,7 @@ POLICIES = (ONLINE_ONLY, CONSERVE)
 
 def test_quick_coserve(tmp_path):
     out = tmp_path / "cos"
-    proc = subprocess.run([sys.executable, "-m", "kunserve.cli.main", "bench", "coserve", "--quick", "--duration", "3",
+    proc = subprocess.run([sys.executable, "-m", "kunserve.cli.main", "bench", "coserve", "--quick", "--duration", "2",
                            "--rate", "2", "--length-scale", "0.2", "--max-output", "24", "--offline-inflight", "4",
                            "--settle", "0.3", "--request-timeout", "120", "--seed", "5",
                            "--policies", ",".join(POLICIES), "--out", str(out)],

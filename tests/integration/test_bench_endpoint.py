@@ -75,16 +75,15 @@ def test_compare_with_the_front_as_an_external_row(cluster, timed_trace, tmp_pat
     out = tmp_path / "cmp"
     proc = kunserve("bench", "compare", "--policies", "kunserve", "--external", f"front={url}", "--trace",
                     str(timed_trace), "--length-scale", "1", "--settle", "0.3", "--request-timeout", "120",
-                    "--repeats", "2", "--calibrate", "off", "--out", str(out), timeout=600)
+                    "--repeats", "1", "--calibrate", "off", "--out", str(out), timeout=600)
     cmp = json.loads((out / "compare.json").read_text())
     assert cmp["policies"] == ["kunserve", "front"] and cmp["external"]["front"]["endpoint"] == url
-    assert not cmp["interrupted"] and cmp["repeats"] == 2
-    # the external row repeats like the policies (interleaved: kunserve, front, then front, kunserve)
-    assert [r["run"] for r in cmp["runs"]["front"]] == [1, 2] and cmp["medians"]["front"]["ttft_p99_s"]["n"] == 2
+    assert not cmp["interrupted"] and cmp["repeats"] == 1
+    # the external row is a row like the policies (its repeats interleave with theirs: benchkit/repeats.py, unit-tested)
+    assert [r["run"] for r in cmp["runs"]["front"]] == [1] and cmp["medians"]["front"]["ttft_p99_s"]["n"] == 1
     assert cmp["medians"]["front"]["drops"]["median"] is None  # no cluster samples: not observed
     # four requests never overload anything: no ratios, a banner instead
     assert cmp["overload"]["verdict"] == "never_overloaded" and cmp["ratios"] == {}
     for name in ("kunserve", "front"):
-        for run in (1, 2):
-            assert result(out / name / f"run-{run}")["trace"]["n"] == 4
+        assert result(out / name / "run-1")["trace"]["n"] == 4
     assert "front" in proc.stdout and "NEVER OVERLOADED" in proc.stdout and (out / "compare.png").exists()

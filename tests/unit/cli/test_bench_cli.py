@@ -18,6 +18,7 @@ from kunserve.benchkit.stats import RequestResult, summarize
 from kunserve.benchkit.trace import TraceRequest, save_trace_csv
 from kunserve.cli import bench
 from kunserve.cli.main import build_parser
+from kunserve.shared.policy.overload_policies import OVERLOAD_POLICIES
 from kunserve.v1 import admin_pb2, common_pb2, memory_manager_pb2, monitor_pb2
 
 
@@ -57,6 +58,7 @@ def kunserve_in_process(argvs: list[list[str]], capsys: pytest.CaptureFixture[st
 
 
 def test_policies_are_checked():
+    assert bench.parse_policies(parse("compare").policies) == list(OVERLOAD_POLICIES)  # every policy by default
     assert bench.parse_policies("kunserve, recompute") == ["kunserve", "recompute"]
     with pytest.raises(bench.BenchError, match="unknown policy 'vllm'"):
         bench.parse_policies("kunserve,vllm")
@@ -298,7 +300,7 @@ def test_compare_record_has_a_ratio_for_external_rows():
     assert rec["overload"]["observed_runs"] == 1  # kunserve's only
 
 
-def test_convert_trace(tmp_path):
+def test_convert_trace(tmp_path, capsys):
     src = tmp_path / "burstgpt.csv"
     src.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
                    "10,ChatGPT,100,5,105,Conversation log\n10.5,GPT-4,20,0,20,Conversation log\n"
@@ -308,7 +310,8 @@ def test_convert_trace(tmp_path):
     assert "wrote 2 requests" in out.stdout and "(timed_trace)" in out.stdout and "--num-prompts 2 --self-timed" in out.stdout
     rows = [json.loads(line) for line in (tmp_path / "slice.jsonl").read_text().splitlines()]
     assert [(r["timestamp"], r["input_length"], r["output_length"]) for r in rows] == [(0.0, 100, 5), (2.25, 30, 7)]
-    out = kunserve("bench", "convert-trace", str(tmp_path / "slice.jsonl"), str(tmp_path / "m.out"), "--to", "mooncake")
+    (out,) = kunserve_in_process([["bench", "convert-trace", str(tmp_path / "slice.jsonl"), str(tmp_path / "m.out"),
+                                   "--to", "mooncake"]], capsys)  # the entry point ran as a process above
     assert out.returncode == 0 and "--timed-trace-sec-multiplier 0.001 --timed-trace-chunk-hash-size 512" in out.stdout
     assert [json.loads(line)["timestamp"] for line in (tmp_path / "m.out").read_text().splitlines()] == [0, 2250]
 
@@ -479,14 +482,17 @@ def test_calibration_from_a_matching_profile_needs_no_probe(monkeypatch, tmp_pat
     assert record["speeds"]["source"].startswith("profile ") and record["planned_ratio"] == pytest.approx(1.5, rel=0.1)
 
 
-def test_calibration_flags():
+def test_calibration_flags(tmp_path, capsys):
     assert parse("compare").calibrate == "auto" and parse("run").calibrate == "off"
     assert parse("compare").overload == 1.5 and parse("compare", "--overload", "2").overload == 2.0
     assert parse("compare").repeats == 3
     for bad in ("0", "-1", "x", "inf"):
         with pytest.raises(SystemExit):
             parse("compare", "--overload", bad)
-    out = kunserve("bench", "run", "--endpoint", "http://127.0.0.1:1/v1", "--calibrate", "probe", "--duration", "2")
-    assert out.returncode == 1 and "--calibrate needs a cluster's admin service" in out.stderr
-    out = kunserve("bench", "compare", "--repeats", "0")
-    assert out.returncode == 1 and "--repeats must be >= 1" in out.stderr
+    probe, repeats = kunserve_in_process([
+        ["bench", "run", "--endpoint", "http://127.0.0.1:1/v1", "--calibrate", "probe", "--duration", "2",
+         "--out", str(tmp_path / "probe")],
+        ["bench", "compare", "--repeats", "0", "--out", str(tmp_path / "repeats")],
+    ], capsys)
+    assert probe.returncode == 1 and "--calibrate needs a cluster's admin service" in probe.stderr
+    assert repeats.returncode == 1 and "--repeats must be >= 1" in repeats.stderr

@@ -472,7 +472,7 @@ def test_a_failed_execute_heals_every_member_and_keeps_its_requests():
     async def main() -> None:
         # w0 waits the whole timeout for KV that never comes; every other step of the two workers (an engine
         # call, a send) must fit in it too, on a loaded CI machine: long enough for those, short for the wait
-        async with cluster(timeout_s=8.0) as (net, workers):
+        async with cluster(timeout_s=6.0) as (net, workers):
             reqs = start_requests(workers)
             await reqs.until_each_has(2)
             pause(workers)
@@ -648,7 +648,7 @@ def test_pairs_merge_into_a_quad_mid_decode_and_split_back_step_by_step():
 
 def test_a_failed_merge_of_pairs_heals_every_member_and_keeps_every_request():
     async def main() -> None:
-        async with cluster(4, timeout_s=8.0) as (net, workers):
+        async with cluster(4, timeout_s=6.0) as (net, workers):
             reqs = start_requests(workers, per_worker=1, max_tokens=32)
             await reqs.until_each_has(2)
             await transition(workers, 1, "drop", [w.single() for w in workers.values()], pairs_of(workers))
