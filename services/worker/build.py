@@ -20,6 +20,7 @@ from kunserve.shared.engine.profiler import profile_layers
 from kunserve.shared.log import get_logger
 from kunserve.shared.memory.errors import MemoryPoolError
 from kunserve.shared.model.architecture import ModelConfig
+from kunserve.shared.model.pool_placement import padded_mlp_weights
 from kunserve.shared.model.tp_capacity import in_place_kv_tokens
 from kunserve.shared.model.tp_padding import SHARDS
 from kunserve.shared.model.weights import ModelSource, load_model_source
@@ -114,19 +115,23 @@ def make_microbatch_former(cfg: ClusterConfig, prof: Profile | None, found: str)
 
 
 def worker_profile(cfg: ClusterConfig, source: ModelSource, layers: tuple[int, int], device: str,
-                   threads: int) -> tuple[Profile | None, str]:
+                   threads: int, padded: bool = False) -> tuple[Profile | None, str]:
     """The profile this worker's budget and microbatches use, and where it came from (own_profile.py): none is
-    looked for (nor measured) when neither needs one."""
+    looked for (nor measured) when neither needs one. A pool with the padded MLP (`padded`) computes its MLP another
+    way (per shard, no CPU panel kernel): its profile is its own, under the model's name + "+padded-mlp"."""
     e = cfg.engine
     if e.budget == "fixed" and not e.lookahead:
         return None, "no profile needed"
-    key = ProfileKey(source.name, source.config.dtype, layers, device_signature(device, threads))
+    name = f"{source.name}+padded-mlp" if padded else source.name
+    key = ProfileKey(name, source.config.dtype, layers, device_signature(device, threads))
 
     def measure() -> Profile:
         torch.set_num_threads(threads)
+        weights = source.load_weights(layers)
         try:
-            return profile_layers(source.config, source.load_weights(layers), model=source.name, layers=layers,
-                                  device=device, device_sig=key.device_sig, block_size=e.block_size).profile
+            return profile_layers(source.config, padded_mlp_weights(weights) if padded else weights, model=name,
+                                  layers=layers, device=device, device_sig=key.device_sig,
+                                  block_size=e.block_size).profile
         finally:
             if device.startswith("cuda"):  # the profiling forwards' memory stays in PyTorch's cache, not the pool's
                 gc.collect()
@@ -167,10 +172,11 @@ def build_worker(cfg: ClusterConfig, worker_id: str, runtime_tp: TPArgs | None =
                                f"{mcfg.num_layers} layers")
     e = cfg.engine
     threads = thread_share(cfg)
+    padded = padded_mlp(cfg, mcfg, tp, device)
     if tp is not None and not tp.is_leader:
         prof, found = None, "a tensor-parallel follower runs rank 0's steps"
     else:  # rank 0 starts from its shard's profile; the measured step time (all-reduces included) takes over
-        prof, found = worker_profile(cfg, source, (start, end), device, threads)
+        prof, found = worker_profile(cfg, source, (start, end), device, threads, padded)
     budget, why = make_token_budget(cfg, prof, found)
     try:
         instance = PooledInstance(
@@ -181,7 +187,7 @@ def build_worker(cfg: ClusterConfig, worker_id: str, runtime_tp: TPArgs | None =
                                              offline_free_watermark=e.offline_free_watermark,
                                              coserving=e.coserving,
                                              preemption=overload_handling(cfg.policy.overload).preemption),
-            budget=budget, keep_host_copy=e.host_copy, padded_mlp=padded_mlp(cfg, mcfg, tp, device))
+            budget=budget, keep_host_copy=e.host_copy, padded_mlp=padded)
     except MemoryPoolError as exc:
         raise WorkerBuildError(f"memory pool: {exc} (engine.pool_mib = {e.pool_mib}, page_kib = {e.page_kib})") from None
     except (OSError, ValueError) as exc:

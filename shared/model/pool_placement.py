@@ -106,6 +106,17 @@ def fused_source(source: WeightSource) -> Callable[[str], torch.Tensor]:
     return fused
 
 
+def padded_mlp_weights(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named weights with every layer's MLP as the padded layout's `FFN_SHARDS` tensor instead of gate / up / down
+    (contiguous, no page gaps): what a runner computing like a padded pool is built from (the worker's profile)."""
+    out = dict(weights)
+    for name in [n for n in weights if n.endswith("mlp.gate_proj.weight")]:
+        prefix = name.removesuffix("mlp.gate_proj.weight")
+        parts = [out.pop(f"{prefix}mlp.{m}_proj.weight") for m in ("gate", "up", "down")]
+        out[prefix + FFN_SHARDS] = tp_padding.pack_shards(*parts)
+    return out
+
+
 def build_model_layout(pool: PagePool, cfg: ModelConfig, layer_range: tuple[int, int], block_size: int,
                        source: WeightSource | None = None, *, padded_mlp: bool = False) -> LayerMemoryLayout:
     """A LayerMemoryLayout for cfg's [start, end), filled from an HF-named source when given; `padded_mlp` lays the

@@ -135,3 +135,26 @@ def test_self_profiling_on_a_gpu_returns_its_cached_memory_before_the_pool_is_bu
     monkeypatch.setattr("kunserve.services.worker.build.device_signature", lambda device, threads: "cpu[fake]x1t")
     worker_profile(config_from_dict({"engine": {"profile_cache": str(tmp_path / "cpu.json")}}), source, (0, 2), "cpu", 1)
     assert ran == ["measure"], "no CUDA call on a CPU worker"
+
+
+def test_a_padded_pool_has_a_profile_of_its_own_measured_on_the_padded_mlp(tmp_path, monkeypatch):
+    """A worker whose pool holds the padded MLP computes it per shard: its profile is measured on that MLP (the
+    runner's weights carry `mlp.shards`, no gate / up / down) under its own name, not taken from the unpadded one's
+    cache entry."""
+    import kunserve.services.worker.build as build
+
+    seen: list[tuple[str, list[str]]] = []
+
+    def profile_layers(cfg, weights, *, model, layers, device_sig, **kwargs):
+        seen.append((model, sorted({k.split(".", 3)[-1] for k in weights if ".mlp." in k})))
+        return _Measured(_profile(ProfileKey(model, "float32", layers, device_sig)))
+
+    monkeypatch.setattr(build, "profile_layers", profile_layers)
+    cfg = config_from_dict({"engine": {"profile_cache": str(tmp_path / "profiles.json")}})
+    source = load_model_source(None)
+    plain, _ = worker_profile(cfg, source, (0, 2), "cpu", 1)
+    padded, why = worker_profile(cfg, source, (0, 2), "cpu", 1, padded=True)
+    assert "measured at start-up" in why and padded is not None and padded.model == "kunserve-tiny+padded-mlp"
+    assert plain is not None and plain.model == "kunserve-tiny"
+    assert seen == [("kunserve-tiny", ["mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+                    ("kunserve-tiny+padded-mlp", ["mlp.shards"])]
