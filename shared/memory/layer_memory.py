@@ -687,14 +687,8 @@ class LayerMemoryLayout:
         for n in gone_groups:
             unmapped += len(self.pool.free_range(self._group_arenas.pop(n).vr))
         self._start, self._end = new_start, new_end
-        grow = plan.kv_pages_per_layer - self._k
-        assert grow >= 0
-        mapped = 0
-        for x in self.layers:
-            pages = self.pool.take_free(grow)
-            self.pool.map(self._kv[x], self._k, pages)
-            mapped += len(pages)
-        self._k = plan.kv_pages_per_layer
+        assert plan.kv_pages_per_layer >= self._k
+        mapped = self._resize_kv(plan.kv_pages_per_layer)
         self._after_remap()
         return RemapResult("drop", tuple(ls), new_start, new_end, old_blocks, self.num_blocks, unmapped, mapped,
                            self.pool.free_count, self.generation, time.perf_counter() - t0)
@@ -738,11 +732,7 @@ class LayerMemoryLayout:
         k_new = plan.kv_pages_per_layer
         self.release_views()
         self.pool.ensure_no_views((self._kv[x], k_new, self._k) for x in self.layers)
-        unmapped = 0
-        if k_new < self._k:
-            for x in self.layers:
-                unmapped += len(self.pool.unmap(self._kv[x], k_new, self._k - k_new))
-        self._k = k_new
+        unmapped = self._resize_kv(k_new) if k_new < self._k else 0
         new_groups = [n for n in self._groups_for(new_start, new_end) if n not in self._group_arenas]
         mapped = 0
         for n in new_groups:
@@ -774,11 +764,7 @@ class LayerMemoryLayout:
         for n in new_groups:
             self.pool.free_range(self._group_arenas.pop(n).vr)
         self._start, self._end = remaining[0], remaining[-1] + 1
-        plan = self._plan(self._start, self._end)
-        grow = plan.kv_pages_per_layer - self._k
-        for x in self.layers:
-            self.pool.map(self._kv[x], self._k, self.pool.take_free(grow))
-        self._k = plan.kv_pages_per_layer
+        self._resize_kv(self._plan(self._start, self._end).kv_pages_per_layer)
         self._after_remap()
 
     # ------------------------------------------------------------------ compaction
@@ -922,14 +908,11 @@ class LayerMemoryLayout:
         self.release_views()
         self.pool.ensure_no_views((vr, first, first + n) for vr, first, n in spans)
         unmapped = sum(len(self.pool.unmap(vr, first, n)) for vr, first, n in spans)
-        grow = plan.kv_pages_per_layer - self._k
-        for x in self.layers:
-            self.pool.map(self._kv[x], self._k, self.pool.take_free(grow))
-        self._k = plan.kv_pages_per_layer
+        mapped = self._resize_kv(plan.kv_pages_per_layer)
         self._released = keep if keep != range(self.shard_count) else None
         self._after_remap()
-        return RemapResult("release", (), self._start, self._end, old_blocks, self.num_blocks, unmapped,
-                           grow * len(self.layers), self.pool.free_count, self.generation, time.perf_counter() - t0)
+        return RemapResult("release", (), self._start, self._end, old_blocks, self.num_blocks, unmapped, mapped,
+                           self.pool.free_count, self.generation, time.perf_counter() - t0)
 
     def plan_shard_reclaim(self) -> CapacityPlan:
         """The capacity once `reclaim_shards` maps every shard again: the plain capacity rule."""
@@ -965,10 +948,7 @@ class LayerMemoryLayout:
         spans = self._shard_spans(gone)
         self.release_views()
         self.pool.ensure_no_views((self._kv[x], plan.kv_pages_per_layer, self._k) for x in self.layers)
-        unmapped = 0
-        for x in self.layers:
-            unmapped += len(self.pool.unmap(self._kv[x], plan.kv_pages_per_layer, self._k - plan.kv_pages_per_layer))
-        self._k = plan.kv_pages_per_layer
+        unmapped = self._resize_kv(plan.kv_pages_per_layer)
         for vr, first, n in spans:
             self.pool.map(vr, first, self.pool.take_free(n))
         self._released = None
@@ -988,6 +968,20 @@ class LayerMemoryLayout:
                              "tensor-parallel member): reclaim them first")
 
     # ------------------------------------------------------------------ building blocks
+    def _resize_kv(self, k: int) -> int:
+        """Every held layer's KV range to `k` pages: free pages mapped at the tails, or the tails unmapped (the caller
+        checked no view covers them). Bases and the bytes before `k` stay. Returns the pages mapped or unmapped."""
+        moved = 0
+        for x in self.layers:
+            if k > self._k:
+                pages = self.pool.take_free(k - self._k)
+                self.pool.map(self._kv[x], self._k, pages)
+                moved += len(pages)
+            elif k < self._k:
+                moved += len(self.pool.unmap(self._kv[x], k, self._k - k))
+        self._k = k
+        return moved
+
     def _make_arena(self, key: str, specs: Sequence[TensorSpec]) -> _Arena:
         specs = tuple(specs)
         offsets, total = pack_tensors(specs, page_size=self.pool.page_size)
