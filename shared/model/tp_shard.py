@@ -93,35 +93,33 @@ def sharded_source(source: ModelSource, rank: int, degree: int) -> ShardedModelS
 
 
 def shard_stored_attention(stored: Weights, cfg: ModelConfig, rank: int, degree: int) -> Weights:
-    """Rank `rank` of `degree`'s attention weights cut from the pool's stored (fused, maybe panel) whole ones, as
-    [out, in] copies under their stored names without the panel suffix (the runner lays them out again): the q, k
-    and v rows of its heads, o_proj's columns, the biases likewise (o_proj's kept by rank 0 alone). Every other stored
-    tensor is left out: the caller keeps it as it is (replicated) or gives the shard's MLP (`FFN_SHARDS` views)."""
+    """Rank `rank` of `degree`'s attention weights cut from the pool's stored (fused, maybe panel) whole ones by
+    `shard_tensor`'s rules, as [out, in] copies under their stored names without the panel suffix (the runner lays them
+    out again). Every other stored tensor is left out: the caller keeps it as it is (replicated) or gives the shard's
+    MLP (`FFN_SHARDS` views)."""
     hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     if nh % degree or nkv % degree:
         raise ValueError(f"TP{degree} does not divide {nh} heads / {nkv} KV heads")
-    q, kv = nh * hd, nkv * hd
-    qs, ks = q // degree, kv // degree
-    rows = torch.cat([torch.arange(rank * qs, (rank + 1) * qs), q + torch.arange(rank * ks, (rank + 1) * ks),
-                      q + kv + torch.arange(rank * ks, (rank + 1) * ks)])
+    sizes = [nh * hd, nkv * hd, nkv * hd]  # the fused q | k | v rows
 
     def matrix(name: str, n: int) -> torch.Tensor:
         return from_panels(stored[name + PANELS], n) if name + PANELS in stored else stored[name]
 
-    def head_rows(t: torch.Tensor) -> torch.Tensor:
-        return t.index_select(0, rows.to(t.device))
+    def split_qkv(p: str, fused: torch.Tensor, part: str) -> torch.Tensor:
+        return torch.cat([shard_tensor(f"{p}self_attn.{x}_proj.{part}", t, rank, degree)
+                          for x, t in zip("qkv", fused.split(sizes), strict=True)])
 
     out: Weights = {}
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}."
         if p + FFN_SHARDS not in stored:
             continue  # a layer this pool does not hold
-        out[p + QKV + ".weight"] = head_rows(matrix(p + QKV + ".weight", q + 2 * kv))
-        out[p + "self_attn.o_proj.weight"] = matrix(p + "self_attn.o_proj.weight", cfg.hidden_size)[
-            :, rank * qs:(rank + 1) * qs].contiguous()
+        out[p + QKV + ".weight"] = split_qkv(p, matrix(p + QKV + ".weight", sum(sizes)), "weight")
+        o = p + "self_attn.o_proj.weight"
+        out[o] = shard_tensor(o, matrix(o, cfg.hidden_size), rank, degree)
         if p + QKV + ".bias" in stored:
-            out[p + QKV + ".bias"] = head_rows(stored[p + QKV + ".bias"])
+            out[p + QKV + ".bias"] = split_qkv(p, stored[p + QKV + ".bias"], "bias")
         if p + "self_attn.o_proj.bias" in stored:
-            bias = stored[p + "self_attn.o_proj.bias"]
-            out[p + "self_attn.o_proj.bias"] = bias.clone() if rank == 0 else torch.zeros_like(bias)
+            b = p + "self_attn.o_proj.bias"
+            out[b] = shard_tensor(b, stored[b], rank, degree).clone()
     return out
