@@ -148,3 +148,32 @@ def test_the_shard_layout_releases_weights_and_divides_kv_per_token():
     assert two["kv"]["block_bytes"] * 2 == one["kv"]["block_bytes"]
     assert two["kv"]["num_blocks"] > 2 * one["kv"]["num_blocks"]  # the freed weight pages hold KV too
     assert two["groups"] == one["groups"]  # embeddings, final norm and lm_head are replicated
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_attention_cut_from_a_padded_pools_stored_weights_is_the_ranks_shard(degree):
+    """What an in-place member computes its heads with (PooledInstance.shard): cut from the pool's fused, panel-laid
+    weights, the q|k|v rows, o_proj's columns and both biases equal shard_weights' of the HF tensors."""
+    from kunserve.shared.model.pool_placement import FFN_SHARDS, QKV
+    from kunserve.shared.model.tp_shard import shard_stored_attention
+
+    weights = random_weights(TP4_CONFIG, seed=5)
+    pool = create_pool("host", pool_bytes=16 << 20, page_size=64 << 10)
+    layout = build_model_layout(pool, TP4_CONFIG, (0, TP4_CONFIG.num_layers), BS, weights, padded_mlp=True)
+    try:
+        stored = layout.weights()
+        assert any(k.endswith(".panels") for k in stored) and any(k.endswith(FFN_SHARDS) for k in stored)
+        for rank in range(degree):
+            cut = shard_stored_attention(stored, TP4_CONFIG, rank, degree)
+            want = shard_weights(weights, rank, degree)
+            for layer in range(TP4_CONFIG.num_layers):
+                p = f"model.layers.{layer}."
+                for part in ("weight", "bias"):
+                    torch.testing.assert_close(cut[f"{p}{QKV}.{part}"], torch.cat(
+                        [want[f"{p}self_attn.{x}_proj.{part}"] for x in "qkv"]), rtol=0, atol=0)
+                    torch.testing.assert_close(cut[f"{p}self_attn.o_proj.{part}"], want[f"{p}self_attn.o_proj.{part}"],
+                                               rtol=0, atol=0)
+        del stored, cut
+    finally:
+        layout.close()
+        pool.close()
