@@ -49,7 +49,7 @@ from kunserve.shared.policy.layerwise_preemption import IterationInFlight, shoul
 from kunserve.shared.policy.measured_latency import MeasuredLatencyModel
 from kunserve.shared.policy.microbatch import DecodeSplit, Microbatch, MicrobatchFormer
 
-__all__ = ["Engine", "SchedulerConfig", "PipelineLink", "GroupBroken", "InstanceBroken", "NotServing"]
+__all__ = ["Engine", "SchedulerConfig", "PipelineLink", "GroupBroken", "InstanceBroken", "TPHealed", "NotServing"]
 
 
 class GroupBroken(RuntimeError):
@@ -64,9 +64,18 @@ class GroupBroken(RuntimeError):
         self.events: list[TokenEvent] = list(events)
 
 
+# A layer-staggered split's forward (tp_stagger.py): (the step's plan, its token ids, logits rows) -> logits.
+StaggeredForward = Callable[[StageBatch, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
 class InstanceBroken(RuntimeError):
     """A process this instance computes with is gone (a tensor-parallel member): no batch can compute any more. It
     passes the per-batch failure handling, so the engine loop stops and every request resumes elsewhere."""
+
+
+class TPHealed(InstanceBroken):
+    """An in-place tensor-parallel change failed part-way and this member healed (tp_transform.py, tp_stagger.py): it
+    is a whole engine again, and no longer computes with the others."""
 
 
 class NotServing(InvalidRequest):
@@ -194,6 +203,8 @@ class Engine:
         # Rank 0 of a tensor-parallel instance (tensor_parallel.py): gets every forward's plan and inputs before it
         # computes, so the other ranks run the same forward on their shards.
         self.step_plan: Callable[[StageBatch, torch.Tensor], None] | None = None
+        # A layer-staggered split in progress (tp_stagger.py): every forward goes through it; None otherwise.
+        self._staggered: StaggeredForward | None = None
 
     # -- requests -------------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -373,6 +384,8 @@ class Engine:
         if self.step_plan is not None:
             self.step_plan(batch, inputs)
         dev = self.device
+        if self._staggered is not None:
+            return self._staggered(batch, inputs.to(dev), batch.rows_tensor(dev))
         args = (inputs.to(dev), batch.positions_tensor(dev), self.kv, batch.metadata(self.block_size, dev),
                 batch.rows_tensor(dev) if self.runner.is_last else None)
         return self.runner.forward(*args) if safepoint is None else self.runner.forward(*args, safepoint=safepoint)
@@ -901,6 +914,27 @@ class Engine:
         self.kv_limit = None
         self._budget_for(None)
 
+    def follow(self, batch: StageBatch, inputs: torch.Tensor) -> None:
+        """A tensor-parallel follower's part of rank 0's forward (tensor_parallel.py): the same layers over its shard,
+        the output discarded (no logits rows)."""
+        dev = self.device
+        if self._staggered is not None:
+            self._staggered(batch, inputs.to(dev), torch.empty(0, dtype=torch.long, device=dev))
+            return
+        self.runner.forward(inputs.to(dev), batch.positions_tensor(dev), self.kv, batch.metadata(self.block_size, dev),
+                            torch.empty(0, dtype=torch.long, device=dev))
+
+    def stagger(self, forward: StaggeredForward | None) -> None:
+        """While a layer-staggered split runs (tp_stagger.py), every step's forward goes through `forward` (token ids,
+        logits rows: None for all, empty on a follower) and no waiting request is admitted: the layers already split
+        have no place for a new request's KV. None ends it (so does change_shard)."""
+        self._staggered = forward
+        self.scheduler.hold_admissions(forward is not None)
+
+    def block_tables(self) -> dict[str, list[int]]:
+        """The block table of every request holding blocks (engine thread)."""
+        return {rid: list(seq.block_table.ids) for rid, seq in self.seqs.items() if seq.block_table.ids}
+
     def shard_runner(self, cfg: ModelConfig, weights: Weights) -> ModelRunner:
         """A runner of this engine's layers as the tensor-parallel shard `cfg` (the whole model's config at TP1) over
         `weights`, built apart from the engine so that a failure to build it changes nothing (see change_shard)."""
@@ -921,6 +955,7 @@ class Engine:
             raise ValueError(f"KV storage blocks hold {self.kv.kv_heads_per_block} KV heads, the shard needs "
                              f"{runner.cfg.num_kv_heads}: split or merge the storage's heads first")
         self._settle_checkpoints()
+        self.stagger(None)
         if tensor_parallel and self._whole_features is None:
             self._whole_features = (self.safepoint_every, self._ckpt_bytes)
             self.safepoint_every = 0

@@ -18,7 +18,13 @@ import torch
 from kunserve.shared.memory import kv_layout
 
 
-class KVStorage(Protocol):
+class LayerCaches(Protocol):
+    """What a forward pass reads: one layer's cache view at a time."""
+
+    def layer_cache(self, layer: int) -> torch.Tensor: ...
+
+
+class KVStorage(LayerCaches, Protocol):
     """Where the KV tensors live. `num_blocks` may change at runtime (a drop maps pages at the tail of
     every layer's range, a restore takes them back), so callers must re-read it and re-fetch
     `layer_cache(layer)` after any remap instead of holding tensors across one."""
@@ -97,7 +103,5 @@ class TorchKVStorage:
         """Read every layer's bytes as `num_blocks` blocks of `heads` heads (header-centric: a block is its heads one
         after another), from the start; no byte moves."""
         for layer, cache in self._caches.items():
-            phys = kv_layout.physical_view(cache)
-            per_head = phys.flatten(0, 1)[: num_blocks * heads]
-            self._caches[layer] = kv_layout.logical_view(per_head.view(num_blocks, heads, *phys.shape[2:]))
+            self._caches[layer] = kv_layout.regroup(cache, num_blocks, heads)
         self._num_blocks = num_blocks

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kunserve.shared.engine import cpu_kernels
 from kunserve.shared.engine.attention import Attention, AttentionMetadata, TorchPagedAttention, make_attention
-from kunserve.shared.engine.kv_storage import KVStorage
+from kunserve.shared.engine.kv_storage import LayerCaches
 from kunserve.shared.engine.safepoint import Safepoint
 from kunserve.shared.model import rope, tp_padding
 from kunserve.shared.model.architecture import ModelConfig
@@ -200,72 +200,97 @@ class ModelRunner:
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return rope.rotate(x, cos, sin)
 
+    def _rope_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions, cos, sin) as the layers take them: the fused kernel indexes the tables itself."""
+        if self.fused:
+            positions = positions.contiguous()
+            return positions, positions, positions
+        return positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def _layer(self, i: int, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kv: LayerCaches, meta: AttentionMetadata) -> torch.Tensor:
+        """Decoder layer i over hidden states x [T, hidden] (the fused path adds into x in place)."""
+        cfg = self.cfg
+        T = positions.shape[0]
+        nh, nkvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        nq, nkv = nh * hd, nkvh * hd
+        L = self.layers[i]
+        h = self._rms(x, L.ln1)
+        qkv = L.qkv(h)
+        if self.fused:
+            # RoPE in place on the q and k heads, k and v into their cache slots, in one pass (cpu_kernels)
+            cache = kv.layer_cache(i)
+            cpu_kernels.rope_store(qkv, nh, nkvh, hd, self.cos, self.sin, positions, cache, meta.slot_blocks,
+                                   meta.slot_offsets)
+            q = qkv[:, :nq].view(T, nh, hd)
+            k = qkv[:, nq:nq + nkv].view(T, nkvh, hd)
+            v = qkv[:, nq + nkv:].view(T, nkvh, hd)
+            o = self.attention.forward(q, k, v, cache, meta, kv_written=True)
+            a = L.o(o.reshape(T, nq))
+            h = cpu_kernels.add_rms_norm(x, a if self.reduce is None else self.reduce(a), L.ln2,
+                                         cfg.rms_norm_eps)  # x += a
+            m = L.mlp(h)
+            x += m if self.reduce is None else self.reduce(m)
+            return x
+        # rotate q and k heads in one go: [T, H + KVH, d]
+        qk = self._rotate(qkv[:, : nq + nkv].view(T, nh + nkvh, hd), cos, sin)
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = qkv[:, nq + nkv:].view(T, nkvh, hd)
+        o = self.attention.forward(q, k, v, kv.layer_cache(i), meta)
+        a = L.o(o.reshape(T, nq))
+        x = x + (a if self.reduce is None else self.reduce(a))
+        h = self._rms(x, L.ln2)
+        m = L.mlp(h)
+        return x + (m if self.reduce is None else self.reduce(m))
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input: hidden states [T, hidden] of token ids [T]."""
+        assert self.embed is not None, "weights released or not the first stage"
+        return F.embedding(ids, self.embed)
+
     @torch.inference_mode()
-    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, kv: KVStorage, meta: AttentionMetadata,
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv: LayerCaches, meta: AttentionMetadata,
+                   layers: range) -> torch.Tensor:
+        """Hidden states [T, hidden] through `layers` (part of this runner's range): no embedding, no head. A
+        layer-staggered split computes a step's first layers as one shard and the rest as another (tp_stagger.py)."""
+        if not (self.start <= layers.start and layers.stop <= self.end):
+            raise ValueError(f"layers {layers} outside this runner's [{self.start}, {self.end})")
+        x = x.to(self.dtype, copy=self.fused)  # the fused path adds into x in place
+        positions, cos, sin = self._rope_inputs(positions)
+        for i in layers:
+            x = self._layer(i, x, positions, cos, sin, kv, meta)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """float32 logits of the final hidden states' `rows` (None: all)."""
+        if rows is not None:
+            x = x[rows]
+        assert self.lm_head is not None and self.norm is not None, "weights released or not the last stage"
+        return self.lm_head(self._rms(x, self.norm)).float()
+
+    @torch.inference_mode()
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, kv: LayerCaches, meta: AttentionMetadata,
                 logits_rows: torch.Tensor | None = None, safepoint: Safepoint | None = None) -> torch.Tensor:
         """inputs: token ids [T] on the first stage, else hidden states [T, hidden].
         Returns logits [len(logits_rows), vocab] on the last stage, else hidden states [T, hidden]. With a
         `safepoint` that fires (layer-wise preemption), the rest of the pass runs the safepoint's rows only and
         the result is theirs: logits of safepoint.logits_rows, or hidden states [T', hidden]."""
         cfg = self.cfg
-        T = positions.shape[0]
         if self.is_first:
-            assert self.embed is not None, "weights released"
-            x = F.embedding(inputs, self.embed)
+            x = self.embed_tokens(inputs)
         else:
             x = inputs.to(self.dtype, copy=self.fused)  # the fused path adds into x in place
-        if self.fused:
-            positions = positions.contiguous()
-            cos = sin = positions  # the fused kernel indexes the tables itself
-        else:
-            cos = self.cos[positions].unsqueeze(1)
-            sin = self.sin[positions].unsqueeze(1)
-        nh, nkvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        nq, nkv = nh * hd, nkvh * hd
+        positions, cos, sin = self._rope_inputs(positions)
         for i in range(self.start, self.end):
             if safepoint is not None and safepoint.due(i, self.start):
                 x, positions, meta, logits_rows = (x[safepoint.keep], safepoint.positions, safepoint.meta,
                                                    safepoint.logits_rows)
-                T = positions.shape[0]
-                if T == 0:
+                if positions.shape[0] == 0:
                     return x.new_empty((0, cfg.vocab_size if self.is_last else x.shape[-1]),
                                        dtype=torch.float32 if self.is_last else x.dtype)
-                if self.fused:
-                    positions = positions.contiguous()
-                else:
-                    cos = self.cos[positions].unsqueeze(1)
-                    sin = self.sin[positions].unsqueeze(1)
-            L = self.layers[i]
-            h = self._rms(x, L.ln1)
-            qkv = L.qkv(h)
-            if self.fused:
-                # RoPE in place on the q and k heads, k and v into their cache slots, in one pass (cpu_kernels)
-                cache = kv.layer_cache(i)
-                cpu_kernels.rope_store(qkv, nh, nkvh, hd, self.cos, self.sin, positions, cache, meta.slot_blocks,
-                                       meta.slot_offsets)
-                q = qkv[:, :nq].view(T, nh, hd)
-                k = qkv[:, nq:nq + nkv].view(T, nkvh, hd)
-                v = qkv[:, nq + nkv:].view(T, nkvh, hd)
-                o = self.attention.forward(q, k, v, cache, meta, kv_written=True)
-                a = L.o(o.reshape(T, nq))
-                h = cpu_kernels.add_rms_norm(x, a if self.reduce is None else self.reduce(a), L.ln2,
-                                             cfg.rms_norm_eps)  # x += a
-                m = L.mlp(h)
-                x += m if self.reduce is None else self.reduce(m)
-                continue
-            # rotate q and k heads in one go: [T, H + KVH, d]
-            qk = self._rotate(qkv[:, : nq + nkv].view(T, nh + nkvh, hd), cos, sin)
-            q, k = qk[:, :nh], qk[:, nh:]
-            v = qkv[:, nq + nkv:].view(T, nkvh, hd)
-            o = self.attention.forward(q, k, v, kv.layer_cache(i), meta)
-            a = L.o(o.reshape(T, nq))
-            x = x + (a if self.reduce is None else self.reduce(a))
-            h = self._rms(x, L.ln2)
-            m = L.mlp(h)
-            x = x + (m if self.reduce is None else self.reduce(m))
+                positions, cos, sin = self._rope_inputs(positions)
+            x = self._layer(i, x, positions, cos, sin, kv, meta)
         if not self.is_last:
             return x
-        if logits_rows is not None:
-            x = x[logits_rows]
-        assert self.lm_head is not None and self.norm is not None, "weights released"
-        return self.lm_head(self._rms(x, self.norm)).float()
+        return self.logits(x, logits_rows)

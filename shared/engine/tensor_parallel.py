@@ -28,18 +28,24 @@ import datetime
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from kunserve.shared.engine import stage_wire
-from kunserve.shared.engine.engine import Engine, InstanceBroken
+from kunserve.shared.engine.engine import Engine, InstanceBroken, TPHealed
 from kunserve.shared.engine.stage_wire import StageBatch
 from kunserve.shared.log import get_logger
 
-STEP, BEAT, STOP, SPLIT = 1, 2, 3, 4
-_KINDS = {STEP: "step", BEAT: "beat", STOP: "stop", SPLIT: "split"}
+STEP, BEAT, STOP, SPLIT, STAGGER, LAYER = 1, 2, 3, 4, 5, 6
+_KINDS = {STEP: "step", BEAT: "beat", STOP: "stop", SPLIT: "split", STAGGER: "stagger", LAYER: "layer"}
+
+
+class LayerSplitter(Protocol):
+    """A member's part of a layer-staggered split (tp_stagger.StaggeredSplit)."""
+
+    def split_layer(self) -> int: ...
 
 
 class TPGroup:
@@ -244,17 +250,29 @@ class TPLeader:
         self.split_sent = False
 
     def split(self) -> None:
-        """End the followers' loops for an in-place scale-down (engine thread): each then joins `scale_down` over the
-        same group. InstanceBroken when a follower is gone."""
+        """End the followers' loops for an in-place scale-down (engine thread): each then joins `scale_down` (or a
+        staggered split's `finish`) over the same group. InstanceBroken when a follower is gone."""
         self.split_sent = True
         self.group.send(SPLIT)
+
+    def stagger(self) -> None:
+        """Have the followers begin a layer-staggered split with rank 0 (engine thread, before its own
+        `StaggeredSplit.begin`); they go on following rank 0's steps."""
+        self.group.send(STAGGER)
+        self._last_sent = time.monotonic()
+
+    def split_layer(self) -> None:
+        """Have the followers move the next layer of the staggered split with rank 0 (before its own `split_layer`)."""
+        self.group.send(LAYER)
+        self._last_sent = time.monotonic()
 
 
 class TPFollower:
     """A rank > 0: runs rank 0's forwards on its shard until STOP or the instance breaks (`run`, or on its own
     thread: `start`)."""
 
-    def __init__(self, group: TPGroup, engine: Engine, num_threads: int = 1, on_end: Callable[[TPFollower], None] | None = None) -> None:
+    def __init__(self, group: TPGroup, engine: Engine, num_threads: int = 1, on_end: Callable[[TPFollower], None] | None = None,
+                 begin_stagger: Callable[[], LayerSplitter] | None = None) -> None:
         if group.is_leader:
             raise ValueError("rank 0 leads its tensor-parallel instance; it does not follow")
         self.group = group
@@ -264,10 +282,13 @@ class TPFollower:
         self.steps = 0
         self.stopped = False  # rank 0 said STOP
         self.split = False  # rank 0 said SPLIT: the members change parallelism in place next
+        # A layer-staggered split (STAGGER, then a LAYER per layer): `begin_stagger` makes this member's part of it
+        self.begin_stagger = begin_stagger
+        self.staggered: LayerSplitter | None = None
+        self.healed: str | None = None  # the change failed and this member healed: whole again, its loop ended
         self.error: str | None = None
         self._thread: threading.Thread | None = None
         engine.runner.reduce = group.reduce
-        self._no_rows = torch.empty(0, dtype=torch.long, device=engine.device)
 
     @property
     def broken(self) -> str | None:
@@ -288,6 +309,8 @@ class TPFollower:
                     assert payload is not None
                     self._forward(payload)
                     self.steps += 1
+                if kind in (STAGGER, LAYER) and not self._stagger(kind):
+                    return
         except Exception as exc:  # the instance cannot compute any more, whatever broke
             self.error = str(exc) if isinstance(exc, InstanceBroken) else f"{type(exc).__name__}: {exc}"
             get_logger().error("tensor_parallel_broken", rank=self.group.rank, error=self.error)
@@ -297,9 +320,27 @@ class TPFollower:
 
     def _forward(self, payload: torch.Tensor) -> None:
         batch, ids = stage_wire.decode(payload, torch.int64)
-        e = self.engine
-        dev = e.device
-        e.runner.forward(ids.reshape(-1).to(dev), batch.positions_tensor(dev), e.kv, batch.metadata(e.block_size, dev), self._no_rows)
+        self.engine.follow(batch, ids.reshape(-1))
+
+    def _stagger(self, kind: int) -> bool:
+        """This member's part of a staggered split's step; False when it healed (whole again: the loop ends)."""
+        try:
+            if kind == STAGGER:
+                if self.begin_stagger is None:
+                    raise InstanceBroken(f"tensor-parallel rank {self.group.rank} cannot split layer by layer")
+                try:
+                    self.staggered = self.begin_stagger()
+                except ValueError:  # refused on every member, nothing changed: rank 0 goes on leading
+                    pass
+            elif self.staggered is None:
+                raise InstanceBroken(f"tensor-parallel rank {self.group.rank}: a layer to split but no split begun")
+            else:
+                self.staggered.split_layer()
+        except TPHealed as exc:
+            self.healed = str(exc)
+            get_logger().warning("tp_stagger_healed", rank=self.group.rank, error=self.healed)
+            return False
+        return True
 
     def start(self) -> None:
         if self._thread is not None:

@@ -36,7 +36,7 @@ being formed (or split), between two iterations of its engine (nothing in flight
 
 **Failures.** A check that fails on any member (a transition's KV still landing, swap preemption, a pipeline role,
 different block counts, requests that do not fit the whole instances) raises ValueError on every member before
-anything changed: the members gather their checks first (`_agree`). A member that dies or hangs mid-move (the
+anything changed: the members gather their checks first (`agree_checks`). A member that dies or hangs mid-move (the
 group's collective fails or times out) or cannot build its runner before the vote leaves the KV untrusted: every
 member that sees it heals (`InstanceBroken` says so), reading its blocks at all heads again and becoming a whole
 instance whose requests re-prefill (a recompute preemption: the same greedy tokens) — after a failed scale-up each
@@ -71,7 +71,7 @@ from typing import Protocol
 import torch
 
 from kunserve.shared.engine.api import SeqSnapshot
-from kunserve.shared.engine.engine import Engine, InstanceBroken
+from kunserve.shared.engine.engine import Engine, InstanceBroken, TPHealed
 from kunserve.shared.engine.kv_blocks import life_blocks
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.tensor_parallel import TPGroup
@@ -153,19 +153,23 @@ Exchange = Callable[[dict[int, torch.Tensor], dict[int, torch.Tensor], int], Non
 
 
 def run_moves(group: TPGroup, engine: Engine, phases: Sequence[Sequence[SubBlockMove]],
-              exchange: Exchange | None = None) -> tuple[int, int, int]:
-    """Run sub-block moves on every layer this engine holds, layer by layer and phase by phase: per phase, read every
-    source this member has (for its peers and for itself), exchange with the peers, then write every destination.
-    Slots count sub-blocks of the storage as it is read now. Returns (sent, received, peak staging bytes) per layer."""
+              exchange: Exchange | None = None, layers: range | None = None, first_tag: int = 0
+              ) -> tuple[int, int, int]:
+    """Run sub-block moves on `layers` (default: every layer this engine holds), layer by layer and phase by phase:
+    per phase, read every source this member has (for its peers and for itself), exchange with the peers, then write
+    every destination. Slots count sub-blocks of the storage as it is read now; the exchanges' tags count up from
+    `first_tag` (a change that calls this more than once keeps them unique and rising). Returns (sent, received, peak
+    staging bytes) per layer."""
     sent = received = peak = 0
-    for i, layer in enumerate(range(engine.runner.start, engine.runner.end)):
+    layers = range(engine.runner.start, engine.runner.end) if layers is None else layers
+    for i, layer in enumerate(layers):
         phys = kv_layout.physical_view(engine.kv.layer_cache(layer))
         # the storage's cached views may have been made by a forward pass: inference tensors
         with torch.inference_mode():
             for p, phase in enumerate(phases):
                 n_out, n_in, n_self = _move_phase(group.rank, exchange or group.exchange, phys, phase,
-                                                  i * len(phases) + p)
-                if layer == engine.runner.start:
+                                                  first_tag + i * len(phases) + p)
+                if layer == layers.start:
                     sent += n_out
                     received += n_in - n_self
                 peak = max(peak, (n_out + n_in) * phys[0].numel() * phys.element_size())
@@ -220,17 +224,17 @@ def check_split(engine: Engine, degree: int, weights: MemberWeights | None = Non
     split_assignment(engine.snapshot(), degree, whole_blocks, engine.block_size)
 
 
-def _recomputed(s: SeqSnapshot) -> SeqSnapshot:
+def recomputed(s: SeqSnapshot) -> SeqSnapshot:
     """The request without its KV: it re-prefills its prompt and generated tokens (greedy tokens stay the same)."""
     return SeqSnapshot(s.request, list(s.generated), 0, [], s.generator_state, s.num_preemptions + 1)
 
 
-def _healed(op: str, rank: int, degree: int, requests: int, exc: Exception) -> InstanceBroken:
-    return InstanceBroken(f"in-place TP{degree} {op} failed on rank {rank} ({exc}); healed: this member is a whole "
+def healed(op: str, rank: int, degree: int, requests: int, exc: Exception) -> TPHealed:
+    return TPHealed(f"in-place TP{degree} {op} failed on rank {rank} ({exc}); healed: this member is a whole "
                           f"instance again and its {requests} request(s) re-prefill")
 
 
-def _local_error(engine: Engine) -> str:
+def local_error(engine: Engine) -> str:
     """Why this member's engine cannot change its parallelism now ("" when it can)."""
     if engine.kv_landing:
         return "a transition's KV is still landing on it"
@@ -241,7 +245,7 @@ def _local_error(engine: Engine) -> str:
     return ""
 
 
-def _agree(group: TPGroup, op: str, error: str) -> None:
+def agree_checks(group: TPGroup, op: str, error: str) -> None:
     """Every member's checks, gathered: ValueError on every member, naming the ranks, when any failed (so none goes on
     to a collective the others will never join)."""
     errors = [e.decode() for e in group.all_gather_bytes(error.encode())]
@@ -267,7 +271,7 @@ def _move_then_vote(group: TPGroup, engine: Engine, phases: Sequence[Sequence[Su
     return sent, received, peak, runner
 
 
-def _member(weights: Weights | MemberWeights, *, as_shard: bool) -> MemberWeights:
+def as_member(weights: Weights | MemberWeights, *, as_shard: bool) -> MemberWeights:
     if isinstance(weights, Mapping):
         return FixedWeights(weights, None) if as_shard else FixedWeights(None, weights)
     return weights
@@ -280,13 +284,13 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
     shard of the model and `shard` its weights (or what gives them: "Weights" in the module docstring)."""
     t0 = time.monotonic()
     degree, me = group.degree, group.rank
-    member = _member(shard, as_shard=True)
+    member = as_member(shard, as_shard=True)
     whole_heads = engine.kv.kv_heads_per_block
-    error = _local_error(engine)
+    error = local_error(engine)
     if not error and shard_cfg.num_kv_heads * degree != whole_heads:
         error = (f"the shard holds {shard_cfg.num_kv_heads} KV heads; TP{degree} of blocks of {whole_heads} heads "
                  f"needs {whole_heads // degree}")
-    _agree(group, f"merge into TP{degree}", error)
+    agree_checks(group, f"merge into TP{degree}", error)
     blocks_before = engine.kv.num_blocks
     counts = group.all_gather_int(blocks_before)
     if len(set(counts)) != 1:
@@ -312,7 +316,7 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
         traceback.clear_frames(exc.__traceback__)  # the failed frames' KV views must not pin pages a heal remaps
         engine.kv.merge_kv_heads(degree)
         engine.become_whole(mine, recompute=True)
-        raise _healed("scale-up", me, degree, len(mine), exc) from exc
+        raise healed("scale-up", me, degree, len(mine), exc) from exc
     owned: list[SeqSnapshot] = []
     if me == 0:
         for m, snaps in enumerate(everyone):
@@ -356,16 +360,16 @@ def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: We
     ValueError, with nothing changed on any member, when the instance's requests cannot fit the whole instances."""
     t0 = time.monotonic()
     degree, me = group.degree, group.rank
-    member = _member(whole, as_shard=False)
+    member = as_member(whole, as_shard=False)
     blocks_before = engine.kv.num_blocks
     whole_blocks = member.whole_blocks(blocks_before, degree)
-    error = _local_error(engine)
+    error = local_error(engine)
     if not error and engine.kv.kv_heads_per_block * degree != whole_cfg.num_kv_heads:
         error = (f"its blocks hold {engine.kv.kv_heads_per_block} KV heads; TP{degree} of a model of "
                  f"{whole_cfg.num_kv_heads} needs {whole_cfg.num_kv_heads // degree}")
     if not error and whole_blocks < 1:
         error = f"{blocks_before} sub-blocks make no whole block of TP{degree}"
-    _agree(group, f"split TP{degree}", error)
+    agree_checks(group, f"split TP{degree}", error)
     now = time.monotonic()  # after a collective: every member's clock reads (nearly) the same instant
     payload = snapshots_to_bytes(engine.snapshot(), now) if me == 0 else b""
     snaps = snapshots_from_bytes(group.all_gather_bytes(payload)[0], now)
@@ -379,10 +383,10 @@ def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: We
                                                        lambda: member.whole(kept_subblocks), exchange)
     except Exception as exc:  # a member died, hung or failed mid-move: whole again, rank 0 with every request recomputed
         traceback.clear_frames(exc.__traceback__)  # the failed frames' KV views must not pin pages a heal remaps
-        kept = [_recomputed(s) for s in snaps] if me == 0 else []  # where their streams are: nothing moved yet
+        kept = [recomputed(s) for s in snaps] if me == 0 else []  # where their streams are: nothing moved yet
         engine.kv.merge_kv_heads(degree)  # no local holds the weights: the raised error must not pin their views
         engine.change_shard(engine.shard_runner(whole_cfg, member.whole(())), kept, tensor_parallel=False)
-        raise _healed("scale-down", me, degree, len(kept), exc) from exc
+        raise healed("scale-down", me, degree, len(kept), exc) from exc
     engine.kv.merge_kv_heads(degree)
     owned = [SeqSnapshot(s.request, list(s.generated), s.num_computed, [plan.block_maps[me][b] for b in s.blocks],
                          s.generator_state, s.num_preemptions) for s in mine]

@@ -273,6 +273,51 @@ def plan_head_gather(owners: Mapping[int, int], num_blocks: int, num_kv_heads: i
     return HeadGatherPlan(degree, num_blocks, num_kv_heads, tuple(maps), tuple(moves), staging, in_place)
 
 
+def plan_whole_tables(tables: Mapping[str, Sequence[int]], life_blocks: Mapping[str, int],
+                      assignment: Mapping[str, int], num_blocks: int, num_kv_heads: int, degree: int,
+                      sub_blocks: int | None = None) -> dict[str, list[int]]:
+    """Each request's whole-block table on the member `assignment` gives it, for a layer-staggered scale-down
+    (tp_stagger.py): the whole blocks `plan_head_gather` picks for the merged blocks it holds now (`tables`), so a
+    block already in place stays, then, to `life_blocks[request]`, free whole blocks of that member (lowest first)
+    for the tokens it computes while the layers are split one by one. ValueError when a member runs out."""
+    owners = {x: assignment[rid] for rid, table in tables.items() for x in table}
+    plan = plan_head_gather(owners, num_blocks, num_kv_heads, degree, sub_blocks)
+    free = [sorted(set(range(num_blocks)) - set(plan.block_maps[m].values()), reverse=True) for m in range(degree)]
+    out: dict[str, list[int]] = {}
+    for rid in sorted(tables):
+        m = assignment[rid]
+        whole = [plan.block_maps[m][x] for x in tables[rid]]
+        extra = max(0, life_blocks.get(rid, 0) - len(whole))
+        if extra > len(free[m]):
+            raise ValueError(f"request {rid!r} needs {extra} more whole blocks on member {m}, which has "
+                             f"{len(free[m])} free")
+        whole += [free[m].pop() for _ in range(extra)]
+        out[rid] = whole
+    return out
+
+
+def plan_layer_gather(targets: Mapping[int, tuple[int, int]], degree: int) -> tuple[SubBlockMove, ...]:
+    """The moves of one layer of a layer-staggered scale-down: merged block x goes to whole block y of member m
+    (`targets[x] = (m, y)`). As in `plan_head_gather`, heads r of x move from rank r's sub-block x to m's sub-block
+    `y*degree + r`, except m's own heads when x is already that slot. Run them reading every source before writing
+    any destination."""
+    if degree < 2:
+        raise ValueError(f"degree must be >= 2, got {degree}")
+    moves: list[SubBlockMove] = []
+    whole: set[tuple[int, int]] = set()
+    for x, (m, y) in sorted(targets.items()):
+        if not 0 <= m < degree:
+            raise ValueError(f"merged block {x} is given to member {m}, outside [0, {degree})")
+        if (m, y) in whole:
+            raise ValueError(f"whole block {y} of member {m} is the target of two merged blocks")
+        whole.add((m, y))
+        for r in range(degree):
+            dst = sub_block(y, r, degree)
+            if not (r == m and x == dst):
+                moves.append(SubBlockMove(r, x, m, dst))
+    return tuple(moves)
+
+
 def header_centric_split_cost(plan: HeadSplitPlan, block_bytes: int) -> SplitCost:
     """Per layer, the in-place split: one phase's staging, nothing copied inside a member."""
     sub = block_bytes // plan.degree

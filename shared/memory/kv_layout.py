@@ -49,6 +49,18 @@ def physical_view(cache: torch.Tensor) -> torch.Tensor:
     return phys
 
 
+def regroup(cache: torch.Tensor, num_blocks: int, heads: int) -> torch.Tensor:
+    """The same bytes read as `num_blocks` blocks of `heads` heads (header-centric: a block is its heads one after
+    another), from the start of `cache`; no byte moves. A head split reads `b * degree + r` as heads r of block b; a
+    merge reads sub-blocks `b * degree .. b * degree + degree - 1` as block b."""
+    phys = physical_view(cache)
+    per_head = phys.flatten(0, 1)
+    if num_blocks * heads > per_head.shape[0]:
+        raise ValueError(f"{num_blocks} blocks of {heads} heads need {num_blocks * heads} heads' bytes, the cache "
+                         f"holds {per_head.shape[0]}")
+    return logical_view(per_head[: num_blocks * heads].view(num_blocks, heads, *phys.shape[2:]))
+
+
 def allocate(
     num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu"
 ) -> torch.Tensor:

@@ -253,6 +253,7 @@ class Scheduler:
         self.num_swapped_out = 0
         self.checkpointer: Checkpointer | None = None  # set by the engine while it checkpoints offline KV
         self.num_checkpointed_out = 0
+        self._admitting = True  # hold_admissions
 
     def reset(self, allocator: BlockAllocator) -> None:
         """Hold no sequence and schedule over `allocator` from now on (a layout change gave the engine a new
@@ -261,6 +262,11 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.pinned.clear()
+
+    def hold_admissions(self, hold: bool) -> None:
+        """While held, no waiting request starts (running ones go on): an engine whose layers are being split one by
+        one (tp_stagger.py) has no place yet for a new request's KV in the layers already split."""
+        self._admitting = not hold
 
     def pin(self, seq: Sequence) -> None:
         self.pinned[id(seq)] = self.pinned.get(id(seq), 0) + 1
@@ -555,6 +561,8 @@ class Scheduler:
         fits; for an online seq beside the online requests' growth only, with the running offline requests'
         blocks taken for it (newest first) when that is what it takes: offline work never holds an online request
         back, and online requests never preempt each other."""
+        if not self._admitting:
+            return False
         if seq.request.offline:
             if self.num_preemptions != batch.preemptions_before or any(not s.request.offline for s in self.waiting):
                 return False
