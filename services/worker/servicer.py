@@ -593,9 +593,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await self._split_outcome(tp, self.in_place.split(tp), leader.split_refused)
 
     def _follower_ended(self, follower: TPFollower) -> None:
-        """A follower's loop ended (its thread): on SPLIT this worker joins rank 0's in-place split."""
-        if follower.split and self._loop is not None:
+        """A follower's loop ended (its thread): on SPLIT this worker finishes rank 0's in-place split with it; healed
+        mid-split, it is a whole instance again."""
+        if self._loop is None:
+            return
+        if follower.split:
             self._loop.call_soon_threadsafe(self._start_follower_split, context=self._context)
+        elif follower.healed is not None:
+            self._loop.call_soon_threadsafe(self._follower_healed, follower.healed, context=self._context)
+
+    def _follower_healed(self, why: str) -> None:
+        tp = self.tp
+        if tp is None:
+            return
+        tp.cancel_tasks()
+        if tp.group is not None:
+            tp.group.close()
+        self.log.error("tensor_parallel_in_place_failed", op="split", error=why, now="whole instance")
+        self._left_instance()
 
     def _start_follower_split(self) -> None:
         self.reform, self.reform_in_place = TPArgs((self.identity.worker_id,)), True
@@ -606,7 +621,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         assert tp is not None and tp.group is not None
         group = tp.group  # refused, it follows rank 0 again over the same group
         await self._split_outcome(tp, self.in_place.follower_split(tp),
-                                  lambda: tp.follow(group, self.engine.engine, self.engine.num_threads, self._follower_ended))
+                                  lambda: tp.follow(group, self.engine.engine, self.engine.num_threads, self._follower_ended,
+                                                    self.in_place.follower_stagger(tp, group)))
 
     async def _split_outcome(self, tp: TPMembership, part: Awaitable[TransformReport], refused: Callable[[], None]) -> None:
         """This member's part of an in-place split, and what follows (tp_in_place.py): refused (ValueError) -> the

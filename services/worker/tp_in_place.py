@@ -30,11 +30,12 @@ import asyncio
 import secrets
 from collections.abc import Callable, Mapping
 
-from kunserve.shared.engine.engine import Engine, InstanceBroken
+from kunserve.shared.engine.engine import Engine, InstanceBroken, TPHealed
 from kunserve.shared.engine.loop import EngineLoop
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup
-from kunserve.shared.engine.tp_transform import TransformReport, check_split, scale_down, scale_up
+from kunserve.shared.engine.tp_stagger import StaggeredSplit
+from kunserve.shared.engine.tp_transform import TransformReport, check_split, scale_up
 from kunserve.shared.log import get_logger
 from kunserve.shared.model.tp_shard import sharded_source
 from kunserve.shared.model.weights import Weights
@@ -151,41 +152,55 @@ class InPlaceTP:
         if rank > 0:
             if group.broken is None:
                 self.handover.hand_over({rid: membership.members[0] for rid in report.moved if self.owns_stream(rid)})
-            membership.follow(group, self.engine_loop.engine, self.engine_loop.num_threads, on_follower_end)
+            membership.follow(group, self.engine_loop.engine, self.engine_loop.num_threads, on_follower_end,
+                              self.follower_stagger(membership, group))
         return report
 
     # -- scale-down -----------------------------------------------------------------------------------------
     async def split(self, membership: TPMembership) -> TransformReport:
-        """Rank 0's part of splitting its in-place instance back into whole ones: SPLIT to the followers, then
-        `scale_down` with them; the streams of the requests that left end with moved_to their new worker.
+        """Rank 0's part of splitting its in-place instance back into whole ones, layer by layer (tp_stagger.py):
+        STAGGER to the followers and `StaggeredSplit.begin` with them, then one engine-thread call per layer (LAYER,
+        `split_layer`), the engine computing between them, then SPLIT and `finish`; the streams of the requests that
+        left end with moved_to their new worker.
 
-        Raises ValueError when refused, before SPLIT went out or by every member's checks in `scale_down` (nothing
+        Raises ValueError when refused, before STAGGER went out or by every member's checks in `begin` (nothing
         changed: the instance goes on over the same group), InstanceBroken when this worker is a whole instance
-        again but the split did not complete (healed by `scale_down`, or committed with a hand-over that could not
-        finish: the streams of the requests that left then end as lost, so the dispatcher resumes them), SplitBroken
-        when its state is not known (the worker must exit and start again). The membership's tasks are cancelled;
-        its group is closed unless refused."""
+        again but the split did not complete (healed, or committed with a hand-over that could not finish: the
+        streams of the requests that left then end as lost, so the dispatcher resumes them), SplitBroken when its
+        state is not known (the worker must exit and start again). The membership's tasks are cancelled; its group
+        is closed unless refused."""
         assert membership.leader is not None and membership.group is not None
         leader, group = membership.leader, membership.group
         membership.cancel_tasks()
-        announced: list[bool] = []  # SPLIT went out
-        committed: list[TransformReport] = []  # scale_down returned
+        announced: list[bool] = []  # STAGGER went out
+        committed: list[TransformReport] = []  # finish returned
         exchange = self._exchange(membership, "down")
 
-        def on_engine(engine: Engine) -> TransformReport:
+        def begin(engine: Engine) -> StaggeredSplit:
             check_split(engine, membership.degree, self.instance)  # refused here: the followers go on following
             announced.append(True)
+            leader.stagger()
+            return StaggeredSplit.begin(engine, group, self.instance.cfg, self.instance,
+                                        exchange=self._agreed(group, exchange, "down"))
+
+        def split_layer(staggered: StaggeredSplit) -> None:
+            leader.split_layer()
+            staggered.split_layer()
+
+        def finish(staggered: StaggeredSplit) -> TransformReport:
             leader.split()
-            report = scale_down(engine, group, self.instance.cfg, self.instance,
-                                exchange=self._agreed(group, exchange, "down"))
+            report = staggered.finish()
             committed.append(report)
             group.barrier()  # every follower's buffered streams are open before rank 0 says moved_to
             return report
 
         try:
-            report = await asyncio.wrap_future(self.engine_loop.call(on_engine))
+            staggered: StaggeredSplit = await asyncio.wrap_future(self.engine_loop.call(begin))
+            while not staggered.done:  # the engine steps between these calls
+                await asyncio.wrap_future(self.engine_loop.call(lambda _e: split_layer(staggered)))
+            report = await asyncio.wrap_future(self.engine_loop.call(lambda _e: finish(staggered)))
         except ValueError:
-            raise  # refused (before SPLIT, or by scale_down on every member): nothing changed
+            raise  # refused (before STAGGER, or by every member's checks): nothing changed
         except Exception as exc:
             if not announced:
                 raise ValueError(str(exc)) from exc  # nothing sent, nothing changed: as a refusal
@@ -194,29 +209,42 @@ class InPlaceTP:
                 self.handover.lose([rid for rid in committed[0].moved if self.owns_stream(rid)],
                                    f"the in-place split's hand-over failed ({exc})")
                 raise InstanceBroken(f"in-place split committed, hand-over failed: {exc}") from exc
-            if isinstance(exc, InstanceBroken):
-                raise  # healed by scale_down: whole, every request where its stream is
+            if isinstance(exc, TPHealed):
+                raise  # healed: whole, every request where its stream is
             raise SplitBroken(f"in-place split failed mid-way: {type(exc).__name__}: {exc}") from exc
         group.close()
+        self._log_stagger(staggered)
         self.handover.hand_over({rid: membership.members[owner] for rid, owner in report.moved.items()
                                  if self.owns_stream(rid)})
         return report
 
+    def follower_stagger(self, membership: TPMembership, group: TPGroup) -> Callable[[], StaggeredSplit]:
+        """What a follower does on STAGGER (on its loop's thread): its part of `StaggeredSplit.begin`, the KV over
+        the channel the members agree on. Made on the event loop, where the transfer exchange is bound."""
+        exchange = self._exchange(membership, "down")
+        engine = self.engine_loop.engine
+
+        def begin() -> StaggeredSplit:
+            return StaggeredSplit.begin(engine, group, self.instance.cfg, self.instance,
+                                        exchange=self._agreed(group, exchange, "down"))
+        return begin
+
     async def follower_split(self, membership: TPMembership) -> TransformReport:
-        """A follower's part of the split rank 0 announced (its loop ended on SPLIT). Raises ValueError when refused
-        (it follows rank 0 again over the same group), InstanceBroken when healed to a whole instance (holding none
-        of the instance's requests), SplitBroken when its state is not known (the worker must exit and start
-        again); requests it received before a failure are dropped here (rank 0 ends their streams as lost)."""
-        assert membership.group is not None
+        """A follower's part of the split rank 0 announced (its loop ended on SPLIT, every layer split): `finish` with
+        rank 0. Raises InstanceBroken when healed to a whole instance (holding none of the instance's requests),
+        SplitBroken when its state is not known (the worker must exit and start again); requests it received before a
+        failure are dropped here (rank 0 ends their streams as lost)."""
+        assert membership.group is not None and membership.follower is not None
         group, rank = membership.group, membership.rank
+        staggered = membership.follower.staggered
         membership.cancel_tasks()
         loop = asyncio.get_running_loop()
         received: list[str] = []
-        exchange = self._exchange(membership, "down")
 
         def on_engine(engine: Engine) -> TransformReport:
-            report = scale_down(engine, group, self.instance.cfg, self.instance,
-                                exchange=self._agreed(group, exchange, "down"))
+            if not isinstance(staggered, StaggeredSplit):
+                raise SplitBroken("rank 0 said SPLIT with no layer-staggered split begun")
+            report = staggered.finish()
             mine = {rid: o for rid, o in report.moved.items() if o == rank}
             self._receive_from_engine_thread(mine, loop)
             received.extend(mine)
@@ -225,8 +253,6 @@ class InPlaceTP:
 
         try:
             report = await asyncio.wrap_future(self.engine_loop.call(on_engine))
-        except ValueError:
-            raise  # refused on every member: it follows rank 0 again over the same group
         except Exception as exc:
             group.close()
             if received:
@@ -235,7 +261,17 @@ class InPlaceTP:
                 raise
             raise SplitBroken(f"in-place split failed mid-way: {type(exc).__name__}: {exc}") from exc
         group.close()
+        assert isinstance(staggered, StaggeredSplit)
+        self._log_stagger(staggered)
         return report
+
+    def _log_stagger(self, staggered: StaggeredSplit) -> None:
+        s = staggered.stats
+        self.log.info("tp_stagger_done", rank=staggered.rank, layers=len(s.layer_seconds),
+                      begin_ms=round(s.begin_seconds * 1e3, 1),
+                      layer_ms_max=round(max(s.layer_seconds, default=0.0) * 1e3, 1),
+                      layer_ms_total=round(sum(s.layer_seconds) * 1e3, 1), steps_between=sum(s.steps_between),
+                      compacted_blocks=s.compacted_blocks)
 
     # -- streams --------------------------------------------------------------------------------------------
     def _receive_from_engine_thread(self, moved: dict[str, int], loop: asyncio.AbstractEventLoop) -> None:

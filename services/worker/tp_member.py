@@ -33,7 +33,7 @@ from kunserve.shared.config import ClusterConfig, ConfigError, TensorParallelSec
 from kunserve.shared.engine.engine import Engine, InstanceBroken
 from kunserve.shared.engine.loop import EngineLoop, EngineStopped
 from kunserve.shared.engine.pooled import PooledInstance
-from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader, check_same_blocks
+from kunserve.shared.engine.tensor_parallel import LayerSplitter, TPFollower, TPGroup, TPLeader, check_same_blocks
 from kunserve.shared.log import get_logger
 from kunserve.shared.model.tp_degree import degree_error
 from kunserve.shared.model.tp_shard import sharded_source
@@ -119,10 +119,12 @@ class TPMembership:
         self.leader.attach(engine)
 
     def follow(self, group: TPGroup, engine: Engine, threads: int,
-               on_end: Callable[[TPFollower], None] | None = None) -> None:
-        """A follower's role over `group` (its loop runs once started: `start`); `on_end` is called when it ends."""
+               on_end: Callable[[TPFollower], None] | None = None,
+               begin_stagger: Callable[[], LayerSplitter] | None = None) -> None:
+        """A follower's role over `group` (its loop runs once started: `start`); `on_end` is called when it ends;
+        `begin_stagger` makes its part of a layer-staggered split (an in-place instance's)."""
         self.group = group
-        self.follower = TPFollower(group, engine, threads, on_end=on_end)
+        self.follower = TPFollower(group, engine, threads, on_end=on_end, begin_stagger=begin_stagger)
 
     # -- serving ---------------------------------------------------------------------------------------------
     def broken(self, engine_loop: EngineLoop) -> str | None:

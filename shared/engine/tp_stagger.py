@@ -104,6 +104,7 @@ class StaggerStats:
     received_subblocks: int = 0
     staging_bytes: int = 0
     compacted_blocks: int = 0
+    begin_seconds: float = 0.0  # begin's pause: the checks, the whole weights back, the runner, the vote
 
 
 class StaggeredSplit:
@@ -168,6 +169,7 @@ class StaggeredSplit:
         self._first = {t[0]: rid for rid, t in tables.items()}
         self._whole_kv = _WholeBlocks(engine, whole_blocks, whole_cfg.num_kv_heads)
         engine.stagger(self._forward)
+        self.stats.begin_seconds = time.monotonic() - self.t0
         return self
 
     def _take_whole_weights(self, snaps: list[SeqSnapshot], whole_blocks: int) -> None:

@@ -121,6 +121,12 @@ def moves(cluster, tag: str) -> list[tuple[str, str]]:
     return out
 
 
+def stagger_layers(cluster, worker_id: str) -> list[int]:
+    """The layers each layer-staggered split the worker took part in moved one by one."""
+    lines = (cluster.run_dir / f"{worker_id}.log").read_text().splitlines()
+    return [json.loads(line)["layers"] for line in lines if '"tp_stagger_done"' in line]
+
+
 def kv_channels(cluster, worker_id: str) -> list[tuple[str, str]]:
     """(op, channel) of every in-place change's KV moves the worker logged: "transfer" (its KV-exchange class) or
     "gloo"."""
@@ -249,6 +255,8 @@ def test_requests_keep_their_kv_through_an_in_place_merge_and_split(cluster):
     assert prompt_tokens(cluster) == computed + sum(map(len, PROMPTS))
     assert {w: tp_members(cluster, w) for w in MEMBERS} == {w: [w] for w in MEMBERS}
     assert all(kv_channels(cluster, w) == [("up", "transfer"), ("down", "transfer")] for w in MEMBERS)
+    # split layer by layer, last layer first, the instance computing between the layers' moves (tp_stagger.py)
+    assert all(stagger_layers(cluster, w) == [4] for w in MEMBERS), [stagger_layers(cluster, w) for w in MEMBERS]
     assert {w: cluster.child(w).proc.pid for w in MEMBERS} == pids  # changed in place, never re-executed
 
 
