@@ -40,7 +40,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kunserve.benchkit.tp_members import TokenLog, free_port, on_ranks
+from kunserve.benchkit.tp_members import TokenLog, free_port, on_ranks, staggered_split
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine, SchedulerConfig
 from kunserve.shared.engine.pooled import PooledInstance
@@ -144,7 +144,8 @@ def _row(
     cfg = case.source.config
     engines = [i.engine for i in insts]
     num_blocks = engines[0].kv.num_blocks
-    max_tokens = 2 * (steps + 1) + 4  # the first token, 1 + `steps` whole, 1 + `steps` merged, a few after the split
+    # the first token, 1 + `steps` whole, 1 + `steps` merged, one per layer of the staggered split, a few after
+    max_tokens = 2 * (steps + 1) + cfg.num_layers + 6
     tokens = TokenLog()
     prompts: dict[str, list[int]] = {}
     for m, e in enumerate(engines):
@@ -181,6 +182,16 @@ def _row(
         degree, lambda r: scale_down(engines[r], groups[r], cfg, insts[r]), THREAD_TIMEOUT_S
     )
     mapped_after = sum(i.pool.mapped_count for i in insts)
+    # the same requests merged again, then split layer by layer, one step between the layers' moves
+    on_ranks(degree, lambda r: scale_up(engines[r], groups[r], shard_cfg, shards[r]), THREAD_TIMEOUT_S)
+    leader = TPLeader(groups[0])
+    leader.attach(engines[0])
+    staggered, splits = staggered_split(groups, leader, engines, tokens, cfg, lambda r: insts[r], steps_per_layer=1,
+                                        timeout_s=THREAD_TIMEOUT_S)
+    if not all(isinstance(x, TransformReport) for x in staggered):
+        raise RuntimeError(f"the staggered split failed: {staggered}")
+    stats = [x.stats for x in splits if x is not None]
+    mapped_staggered = sum(i.pool.mapped_count for i in insts)
     for e in engines:
         while e.has_work():
             tokens.add(e.step())
@@ -212,11 +223,16 @@ def _row(
         "pages_mapped_before": mapped_before,
         "pages_mapped_merged": mapped_merged,
         "pages_mapped_after": mapped_after,
-        "pages_unchanged": mapped_before == mapped_merged == mapped_after,
+        "pages_unchanged": mapped_before == mapped_merged == mapped_after == mapped_staggered,
         "scale_up_ms": scale_up_ms,
         "scale_down_ms": scale_down_ms,
         "tp_step_ms": tp_step_ms,
         "whole_step_ms": whole_step_ms,
+        "stagger_begin_ms": 1e3 * max(x.begin_seconds for x in stats),
+        "stagger_layer_ms_max": 1e3 * max(max(x.layer_seconds) for x in stats),
+        "stagger_layer_ms_total": 1e3 * max(sum(x.layer_seconds) for x in stats),
+        "stagger_steps_between": sum(stats[0].steps_between),
+        "stagger_compacted_blocks": stats[0].compacted_blocks,
         "scale_up_steps": scale_up_ms / tp_step_ms,
         "scale_down_steps": scale_down_ms / tp_step_ms,
         "scale_up_whole_steps": scale_up_ms / whole_step_ms,
@@ -303,6 +319,7 @@ def print_transform(result: dict[str, Any]) -> None:
         "pages before/merged/after",
         "scale-up ms",
         "scale-down ms",
+        "staggered: begin / layer max / layers ms",
         "TP step ms",
         "whole step ms",
         "up/down ÷ TP step",
@@ -326,6 +343,7 @@ def print_transform(result: dict[str, Any]) -> None:
             f"{r['pages_mapped_before']}/{r['pages_mapped_merged']}/{r['pages_mapped_after']}",
             f"{r['scale_up_ms']:.1f}",
             f"{r['scale_down_ms']:.1f}",
+            f"{r['stagger_begin_ms']:.1f} / {r['stagger_layer_ms_max']:.1f} / {r['stagger_layer_ms_total']:.1f}",
             f"{r['tp_step_ms']:.1f}",
             f"{r['whole_step_ms']:.1f}",
             f"{r['scale_up_steps']:.1f}x / {r['scale_down_steps']:.1f}x",
@@ -336,6 +354,9 @@ def print_transform(result: dict[str, Any]) -> None:
         "MLP: whole weights (a member computes on a copy of its shard) or padded (it releases the MLP shards it no "
         "longer keeps to its KV: pages released, rank 0); KV blocks: rank 0's whole blocks, then its sub-blocks while "
         "merged (1/TP of the heads each); sub-blocks: sent per layer, all members; staging: the most one member held "
-        "at once; tokens: greedy tokens equal to the dense reference's (+ near-ties)"
+        "at once; scale-down: the split of every layer between two steps; staggered: the same requests merged again "
+        "and split layer by layer, last layer first, one step between the layers' moves (tp_stagger.py): the pause "
+        "before the first layer (checks, the whole weights back, the runner), the longest layer's and all layers' "
+        "together; tokens: greedy tokens equal to the dense reference's (+ near-ties)"
     )
     Console(width=220).print(t)

@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from kunserve.shared.engine.api import TokenEvent
+from kunserve.shared.engine.engine import Engine, TPHealed
+from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader
+from kunserve.shared.engine.tp_stagger import StaggeredSplit
+from kunserve.shared.engine.tp_transform import Exchange, MemberWeights
+from kunserve.shared.model.architecture import ModelConfig
+from kunserve.shared.model.weights import Weights
 
 RANK_TIMEOUT_S = 120.0  # a member still running after this long hangs
 
@@ -72,3 +78,51 @@ class TokenLog:
         """A condition: every request of `ids` not finished yet has `n` tokens."""
         wanted = list(ids)
         return lambda: all(len(self.by_request.get(rid, [])) >= n for rid in wanted if rid not in self.finished)
+
+
+def staggered_split(groups: Sequence[TPGroup], leader: TPLeader, engines: Sequence[Engine], tokens: TokenLog,
+                    whole_cfg: ModelConfig, whole: Callable[[int], Weights | MemberWeights], *,
+                    steps_per_layer: int = 2, before_first_layer: Callable[[], None] = lambda: None,
+                    exchange: Callable[[int], Exchange | None] = lambda rank: None,
+                    timeout_s: float = RANK_TIMEOUT_S) -> tuple[list[object], list[StaggeredSplit | None]]:
+    """A layer-staggered split of a TP instance whose followers are not running (tp_stagger.py), driven as a worker
+    drives it: rank 0 sends STAGGER and begins, steps `steps_per_layer` times between the layers' moves (LAYER,
+    split_layer), then SPLIT and finish; each follower runs its loop on its thread (beginning and moving each layer
+    as rank 0 says) and finishes with rank 0. Returns each rank's TransformReport (or the TPHealed it raised) and its
+    StaggeredSplit."""
+    degree = len(groups)
+    splits: list[StaggeredSplit | None] = [None] * degree
+
+    def member(r: int) -> object:
+        e, g = engines[r], groups[r]
+        try:
+            if r == 0:
+                leader.stagger()
+                s = splits[0] = StaggeredSplit.begin(e, g, whole_cfg, whole(0), exchange=exchange(0))
+                before_first_layer()
+                while not s.done:
+                    for _ in range(steps_per_layer):
+                        tokens.add(e.step())
+                    leader.split_layer()
+                    s.split_layer()
+                leader.split()
+                return s.finish()
+
+            def begin() -> StaggeredSplit:
+                split = StaggeredSplit.begin(e, g, whole_cfg, whole(r), exchange=exchange(r))
+                splits[r] = split
+                return split
+
+            f = TPFollower(g, e, begin_stagger=begin)
+            f.run()
+            if f.healed is not None:
+                return TPHealed(f.healed)
+            if not f.split or f.error is not None:
+                raise RuntimeError(f"rank {r}'s loop ended without a split: {f.error}")
+            mine = splits[r]
+            assert mine is not None
+            return mine.finish()
+        except TPHealed as exc:
+            return exc
+
+    return on_ranks(degree, member, timeout_s), splits

@@ -12,12 +12,12 @@ import pytest
 import torch
 from test_tp_transform import BLOCK, assert_reference_tokens, decode_merged, model, padded_instances, start_decoding, step_until
 
-from kunserve.benchkit.tp_members import TokenLog, free_port, on_ranks
+from kunserve.benchkit.tp_members import TokenLog, free_port, on_ranks, staggered_split
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine, TPHealed
-from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader
+from kunserve.shared.engine.tensor_parallel import TPGroup, TPLeader
 from kunserve.shared.engine.tp_stagger import StaggeredSplit
-from kunserve.shared.engine.tp_transform import Exchange, MemberWeights, TransformReport, scale_up
+from kunserve.shared.engine.tp_transform import MemberWeights, TransformReport, scale_up
 from kunserve.shared.model.tp_degree import shard_config
 from kunserve.shared.model.tp_padding import shards_of
 from kunserve.shared.model.tp_shard import shard_weights
@@ -35,50 +35,6 @@ def merged(degree: int, cfg, weights: Weights, engines: list[Engine], tokens: To
     on_ranks(degree, lambda r: scale_up(engines[r], groups[r], shard_config(cfg, degree), shard(r)))
     leader = decode_merged(groups, engines, tokens, tokens.at_least(6, requests))
     return groups, leader
-
-
-def staggered_split(groups: list[TPGroup], leader: TPLeader, engines: list[Engine], tokens: TokenLog, cfg,
-                    whole: Callable[[int], Weights | MemberWeights], *, steps_per_layer: int = 2,
-                    before_first_layer: Callable[[], None] = lambda: None,
-                    exchange: Callable[[int], Exchange | None] = lambda rank: None
-                    ) -> tuple[list[object], list[StaggeredSplit | None]]:
-    """Rank 0 begins a staggered split with its followers, steps `steps_per_layer` times between the layers' moves,
-    then finishes; each follower follows rank 0's messages on its thread and finishes with it. Returns each rank's
-    report (or the TPHealed it raised) and its StaggeredSplit."""
-    degree = len(groups)
-    splits: list[StaggeredSplit | None] = [None] * degree
-
-    def member(r: int) -> object:
-        e, g = engines[r], groups[r]
-        try:
-            if r == 0:
-                leader.stagger()
-                s = splits[0] = StaggeredSplit.begin(e, g, cfg, whole(0), exchange=exchange(0))
-                before_first_layer()
-                while not s.done:
-                    for _ in range(steps_per_layer):
-                        tokens.add(e.step())
-                    leader.split_layer()
-                    s.split_layer()
-                leader.split()
-                return s.finish()
-
-            def begin() -> StaggeredSplit:
-                s = splits[r] = StaggeredSplit.begin(e, g, cfg, whole(r), exchange=exchange(r))
-                return s
-
-            f = TPFollower(g, e, begin_stagger=begin)
-            f.run()
-            if f.healed is not None:
-                return TPHealed(f.healed)
-            assert f.split and f.error is None, f.error
-            s = splits[r]
-            assert s is not None
-            return s.finish()
-        except TPHealed as exc:
-            return exc
-
-    return on_ranks(degree, member), splits
 
 
 @pytest.mark.parametrize("name,degree", [("tiny", 2), ("kv4", 4)], ids=["tiny-tp2", "kv4-tp4"])

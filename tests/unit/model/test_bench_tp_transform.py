@@ -33,4 +33,7 @@ def test_quick_transform_writes_its_rows_and_keeps_the_pages(tmp_path, capsys):
     for key in ("scale_up_ms", "scale_down_ms", "tp_step_ms", "whole_step_ms", "scale_up_steps", "scale_down_steps"):
         assert r[key] > 0, key
     assert r["scale_up_steps"] == pytest.approx(r["scale_up_ms"] / r["tp_step_ms"])
+    # the same requests split layer by layer: one step between every two layers' moves
+    assert r["stagger_steps_between"] == r["layers"] and r["stagger_layer_ms_total"] >= r["stagger_layer_ms_max"] > 0
+    assert r["stagger_begin_ms"] > 0
     assert r["tokens"]["differs"] == 0 and r["tokens"]["equal"] + r["tokens"]["near-tie"] == r["requests"]
