@@ -231,6 +231,7 @@ def _row(
         "stagger_begin_ms": 1e3 * max(x.begin_seconds for x in stats),
         "stagger_layer_ms_max": 1e3 * max(max(x.layer_seconds) for x in stats),
         "stagger_layer_ms_total": 1e3 * max(sum(x.layer_seconds) for x in stats),
+        "stagger_layer_ms": [round(1e3 * t, 2) for t in stats[0].layer_seconds],  # rank 0's, last layer first
         "stagger_steps_between": sum(stats[0].steps_between),
         "stagger_compacted_blocks": stats[0].compacted_blocks,
         "scale_up_steps": scale_up_ms / tp_step_ms,

@@ -13,8 +13,10 @@ Scale-up (`merge`, every member at once, each answering its ReformTP at once and
 3. back on the event loop a follower ends its requests' streams with `moved_to` rank 0 (the dispatcher re-attaches
    there and relays on from the next token) and starts following rank 0's steps.
 
-Scale-down (`split`): rank 0 sends SPLIT on the engine thread (the followers' loops end and each joins from its own
-engine thread: `follower_split`), runs `scale_down`; each member opens the streams of the requests it receives before
+Scale-down (`split`), layer by layer (shared/engine/tp_stagger.py): rank 0 sends STAGGER on the engine thread and
+begins with the followers (each inside its loop: `follower_stagger`), then, one engine-thread call per layer with the
+engine stepping between them, LAYER and the layer's move, then SPLIT (the followers' loops end and each finishes from
+its own engine thread: `follower_split`) and finishes; each member opens the streams of the requests it receives before
 the barrier, and rank 0 then ends the streams of those that left with `moved_to` their new worker. Every member is a
 whole instance again.
 

@@ -53,9 +53,10 @@ KV than its members did whole); a scale-down sizes the whole instances at the ca
 shards back, gathers the KV below it, and takes the pages back from the KV tails and refills those shards before the
 vote. **What differs from Gyges.** The MLP pages are released at the commit, after the KV moves (which need no free
 page: they stay inside the blocks already mapped), not first; a scale-down refills a member's shards from its own
-host copy (or the checkpoint), not from its peers.  The transformation runs between two iterations of the instance
-(every request changes parallelism at once, between two of its tokens), not overlapped layer by layer with the
-computation in reversed layer order; so the order of the layers does not matter here and is the natural one. The
+host copy (or the checkpoint), not from its peers. Both transformations here run between two iterations of the
+instance (every request changes parallelism at once, between two of its tokens), so the order of the layers does not
+matter and is the natural one; a worker splits layer by layer instead, last layer first, computing between the
+layers' moves (tp_stagger.py), and `scale_down` remains the split of every layer at once. The
 KV moves over the instance's process group (gloo: point-to-point sends) unless the caller gives another `Exchange`: a
 worker sends it over the transfer service's KV-exchange class, as KunServe's drops do.
 """
