@@ -28,10 +28,12 @@ BLOCKS = 24
 
 
 def merged(degree: int, cfg, weights: Weights, engines: list[Engine], tokens: TokenLog,
-           requests: dict[str, list[int]], shard: Callable[[int], Weights | MemberWeights]) -> tuple[list[TPGroup], TPLeader]:
+           requests: dict[str, list[int]], shard: Callable[[int], Weights | MemberWeights],
+           timeout_s: float = 30.0) -> tuple[list[TPGroup], TPLeader]:
     """The engines merged into one TP instance (in place), decoding a few more tokens."""
     port = free_port()
-    groups = on_ranks(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=30, rendezvous_timeout_s=60))
+    groups = on_ranks(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=timeout_s,
+                                                rendezvous_timeout_s=60))
     on_ranks(degree, lambda r: scale_up(engines[r], groups[r], shard_config(cfg, degree), shard(r)))
     leader = decode_merged(groups, engines, tokens, tokens.at_least(6, requests))
     return groups, leader
@@ -127,9 +129,9 @@ def test_a_member_failing_part_way_heals_every_member_with_its_requests_recomput
     degree = 2
     engines = [Engine(cfg, weights, num_kv_blocks=BLOCKS, block_size=BLOCK) for _ in range(degree)]
     requests, tokens = start_decoding(engines)
-    groups, leader = merged(degree, cfg, weights, engines, tokens, requests, lambda r: shard_weights(weights, r, degree))
-    for g in groups:  # the survivor sees the failure within seconds, not the default 30
-        g.timeout_s = 5.0
+    # the survivor sees the failure when its exchange times out: within seconds, not the default 30
+    groups, leader = merged(degree, cfg, weights, engines, tokens, requests, lambda r: shard_weights(weights, r, degree),
+                            timeout_s=5.0)
 
     def broken(sends: dict, recvs: dict, tag: int) -> None:
         if tag == 1:  # the second layer split
