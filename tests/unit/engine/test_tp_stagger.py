@@ -6,6 +6,7 @@ thread over a real gloo group, rank 0 leading its followers through the same mes
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -15,7 +16,7 @@ from test_tp_transform import BLOCK, assert_reference_tokens, decode_merged, mod
 from kunserve.benchkit.tp_members import TokenLog, free_port, on_ranks, staggered_split
 from kunserve.shared.engine.api import EngineRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine, TPHealed
-from kunserve.shared.engine.tensor_parallel import TPGroup, TPLeader
+from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader
 from kunserve.shared.engine.tp_stagger import StaggeredSplit
 from kunserve.shared.engine.tp_transform import MemberWeights, TransformReport, scale_up
 from kunserve.shared.model.tp_degree import shard_config
@@ -163,17 +164,26 @@ def test_a_split_the_whole_instances_cannot_hold_is_refused_on_every_member_and_
     engines[0].add_request(big)  # more than one whole engine holds at its whole life
     decode_merged(groups, engines, tokens, lambda: len(tokens.by_request.get("big", [])) >= 1, leader)
     tables = engines[0].block_tables()
+    refusals: list[ValueError] = []
 
-    def member(r: int) -> object:
+    def begin(r: int) -> StaggeredSplit:
         try:
-            StaggeredSplit.begin(engines[r], groups[r], cfg, weights)
+            return StaggeredSplit.begin(engines[r], groups[r], cfg, weights)
         except ValueError as exc:
-            return exc
-        return None
+            refusals.append(exc)
+            raise
 
-    out = on_ranks(degree, member)
-    assert all(isinstance(x, ValueError) and "do not fit" in str(x) for x in out), out
+    # the followers hear STAGGER in their loops, are refused with rank 0 and go on following its steps
+    followers = [TPFollower(groups[r], engines[r], begin_stagger=functools.partial(begin, r)) for r in range(1, degree)]
+    for f in followers:
+        f.start()
+    leader.stagger()
+    with pytest.raises(ValueError, match="do not fit"):
+        begin(0)
     assert engines[0].block_tables() == tables and engines[0].kv.kv_heads_per_block == cfg.num_kv_heads // degree
-    decode_merged(groups, engines, tokens, lambda: "big" in tokens.finished, leader)  # still one TP instance
+    step_until(engines[0], tokens, lambda: "big" in tokens.finished)  # still one TP instance
+    leader.stop()
+    assert all(f.join(30) and f.stopped and f.staggered is None for f in followers)
+    assert len(refusals) == degree and all("do not fit" in str(x) for x in refusals)
     for g in groups:
         g.close()
