@@ -60,10 +60,10 @@ from kunserve.shared.engine.tp_transform import (
     agree_checks,
     as_member,
     healed,
-    local_error,
     recomputed,
     run_moves,
     split_assignment,
+    split_error,
 )
 from kunserve.shared.memory import kv_head_split, kv_layout
 from kunserve.shared.memory.layer_memory import plan_compaction
@@ -145,12 +145,7 @@ class StaggeredSplit:
         self = cls(engine, group, whole_cfg, as_member(whole, as_shard=False), exchange)
         degree = self.degree
         whole_blocks = self.member.whole_blocks(self.blocks_before, degree)
-        error = local_error(engine)
-        if not error and engine.kv.kv_heads_per_block * degree != whole_cfg.num_kv_heads:
-            error = (f"its blocks hold {engine.kv.kv_heads_per_block} KV heads; TP{degree} of a model of "
-                     f"{whole_cfg.num_kv_heads} needs {whole_cfg.num_kv_heads // degree}")
-        if not error and whole_blocks < 1:
-            error = f"{self.blocks_before} sub-blocks make no whole block of TP{degree}"
+        error = split_error(engine, degree, whole_cfg, whole_blocks)
         if not error and not (engine.runner.is_first and engine.runner.is_last):
             error = f"it holds layers [{self.start}, {self.end}) only"
         agree_checks(group, f"split TP{degree} layer by layer", error)

@@ -246,6 +246,17 @@ def local_error(engine: Engine) -> str:
     return ""
 
 
+def split_error(engine: Engine, degree: int, whole_cfg: ModelConfig, whole_blocks: int) -> str:
+    """Why this member's engine cannot split into TP1 engines of `whole_blocks` blocks now ("" when it can)."""
+    error = local_error(engine)
+    if not error and engine.kv.kv_heads_per_block * degree != whole_cfg.num_kv_heads:
+        error = (f"its blocks hold {engine.kv.kv_heads_per_block} KV heads; TP{degree} of a model of "
+                 f"{whole_cfg.num_kv_heads} needs {whole_cfg.num_kv_heads // degree}")
+    if not error and whole_blocks < 1:
+        error = f"{engine.kv.num_blocks} sub-blocks make no whole block of TP{degree}"
+    return error
+
+
 def agree_checks(group: TPGroup, op: str, error: str) -> None:
     """Every member's checks, gathered: ValueError on every member, naming the ranks, when any failed (so none goes on
     to a collective the others will never join)."""
@@ -364,13 +375,7 @@ def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: We
     member = as_member(whole, as_shard=False)
     blocks_before = engine.kv.num_blocks
     whole_blocks = member.whole_blocks(blocks_before, degree)
-    error = local_error(engine)
-    if not error and engine.kv.kv_heads_per_block * degree != whole_cfg.num_kv_heads:
-        error = (f"its blocks hold {engine.kv.kv_heads_per_block} KV heads; TP{degree} of a model of "
-                 f"{whole_cfg.num_kv_heads} needs {whole_cfg.num_kv_heads // degree}")
-    if not error and whole_blocks < 1:
-        error = f"{blocks_before} sub-blocks make no whole block of TP{degree}"
-    agree_checks(group, f"split TP{degree}", error)
+    agree_checks(group, f"split TP{degree}", split_error(engine, degree, whole_cfg, whole_blocks))
     now = time.monotonic()  # after a collective: every member's clock reads (nearly) the same instant
     payload = snapshots_to_bytes(engine.snapshot(), now) if me == 0 else b""
     snaps = snapshots_from_bytes(group.all_gather_bytes(payload)[0], now)
