@@ -196,14 +196,16 @@ class InPlaceTP:
             group.barrier()  # every follower's buffered streams are open before rank 0 says moved_to
             return report
 
+        begun: list[StaggeredSplit] = []
         try:
             staggered: StaggeredSplit = await asyncio.wrap_future(self.engine_loop.call(begin))
+            begun.append(staggered)
             while not staggered.done:  # the engine steps between these calls
                 await asyncio.wrap_future(self.engine_loop.call(lambda _e: split_layer(staggered)))
             report = await asyncio.wrap_future(self.engine_loop.call(lambda _e: finish(staggered)))
-        except ValueError:
-            raise  # refused (before STAGGER, or by every member's checks): nothing changed
         except Exception as exc:
+            if isinstance(exc, ValueError) and not begun:
+                raise  # refused (before STAGGER, or by every member's checks in begin): nothing changed
             if not announced:
                 raise ValueError(str(exc)) from exc  # nothing sent, nothing changed: as a refusal
             group.close()

@@ -128,7 +128,11 @@ class TPMembership:
 
     # -- serving ---------------------------------------------------------------------------------------------
     def broken(self, engine_loop: EngineLoop) -> str | None:
-        """Why this member can no longer serve (None: it can)."""
+        """Why this member can no longer serve (None: it can). A follower healing from a failed staggered split, or
+        healed (whole again: the servicer leaves the instance), is not broken though its group is."""
+        f = self.follower
+        if f is not None and (f.changing or f.healed is not None):
+            return None
         if self.group is not None and self.group.broken is not None:
             return self.group.broken
         if self.follower is not None and self.follower.error is not None:

@@ -286,6 +286,9 @@ class TPFollower:
         self.begin_stagger = begin_stagger
         self.staggered: LayerSplitter | None = None
         self.healed: str | None = None  # the change failed and this member healed: whole again, its loop ended
+        # inside a staggered split's begin or layer: a failing collective then heals this member (see `healed`), so
+        # the group's `broken` does not mean the worker is (TPMembership.broken)
+        self.changing = False
         self.error: str | None = None
         self._thread: threading.Thread | None = None
         engine.runner.reduce = group.reduce
@@ -324,6 +327,7 @@ class TPFollower:
 
     def _stagger(self, kind: int) -> bool:
         """This member's part of a staggered split's step; False when it healed (whole again: the loop ends)."""
+        self.changing = True
         try:
             if kind == STAGGER:
                 if self.begin_stagger is None:
@@ -340,6 +344,8 @@ class TPFollower:
             self.healed = str(exc)
             get_logger().warning("tp_stagger_healed", rank=self.group.rank, error=self.healed)
             return False
+        finally:
+            self.changing = False
         return True
 
     def start(self) -> None:

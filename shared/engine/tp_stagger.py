@@ -28,9 +28,12 @@ block table for its whole life on its member, so the tokens computed while the l
 already. No waiting request is admitted until `finish` (the split layers would have no place for its KV); requests
 that finish or are preempted meanwhile simply leave their reserved blocks unused.
 
-**Failures.** A refusal (ValueError) comes before anything changed, on every member. A member that fails after that
-(a collective or an exchange raises, a runner cannot be built) heals as `scale_down` does: every member becomes a
-whole engine again (its whole weights back), rank 0 with every request, re-prefilling; the others with none.
+**Failures.** A refusal (ValueError) comes before anything changed, on every member. After that, `begin` and every
+`split_layer` end with a vote (one all-gather): when any member failed its part (a collective or an exchange
+raised, its weights or runner could not be had) or cannot answer, every member heals as `scale_down` does: a whole
+engine again (its whole weights back), rank 0 with every request, re-prefilling; the others with none (TPHealed). A
+member that cannot even heal raises RuntimeError: its state is not known. A member that dies between two layers
+breaks the instance's next step, as any TP member's death does (tensor_parallel.py).
 
 **What differs from Gyges.** The layers move between iterations, one per call, not on a separate stream inside an
 iteration; the MLP weights come back all at once at the start, from the member's own host copy (the pool maps the
@@ -153,14 +156,17 @@ class StaggeredSplit:
         payload = snapshots_to_bytes(engine.snapshot(), now) if self.rank == 0 else b""
         snaps = snapshots_from_bytes(group.all_gather_bytes(payload)[0], now)
         self.owner = split_assignment(snaps, degree, whole_blocks, engine.block_size)  # the same on every member
+        why: Exception | None = None
+        tables: dict[str, list[int]] = {}
         try:
             self._take_whole_weights(snaps, whole_blocks)
             tables = {s.request.request_id: [self._compacted.get(b, b) for b in s.blocks] for s in snaps if s.blocks}
             life = {s.request.request_id: max(len(s.blocks), life_blocks(s.request, engine.block_size)) for s in snaps}
             self.tables = kv_head_split.plan_whole_tables(tables, life, self.owner, whole_blocks,
                                                           whole_cfg.num_kv_heads, degree, engine.kv.num_blocks)
-        except Exception as exc:  # noqa: BLE001 - a member failed after the checks: every member heals
-            self._heal(exc)
+        except Exception as exc:  # noqa: BLE001 - reported through the vote
+            why = exc
+        self._vote(why)
         self._first = {t[0]: rid for rid, t in tables.items()}
         self._whole_kv = _WholeBlocks(engine, whole_blocks, whole_cfg.num_kv_heads)
         engine.stagger(self._forward)
@@ -169,7 +175,7 @@ class StaggeredSplit:
 
     def _take_whole_weights(self, snaps: list[SeqSnapshot], whole_blocks: int) -> None:
         """The used merged blocks compacted below the whole capacity (padded pools take their MLP pages back from
-        the KV tails), the whole weights back, each member's whole runner built, and the vote."""
+        the KV tails), the whole weights back and this member's whole runner built."""
         engine = self.engine
         used = sorted({b for s in snaps for b in s.blocks})
         self._compacted = plan_compaction(used, whole_blocks * self.degree)
@@ -180,15 +186,17 @@ class StaggeredSplit:
             self.stats.compacted_blocks = len(self._compacted)
         weights = self.member.whole([self._compacted.get(b, b) for b in used])
         engine.sync_kv_capacity()
-        why: Exception | None = None
+        self.whole = engine.shard_runner(self.whole_cfg, weights)
+
+    def _vote(self, why: Exception | None) -> None:
+        """Every member's outcome of a part of the change, gathered: when any member failed (or cannot answer) every
+        member heals, so none goes on alone (TPHealed)."""
         try:
-            self.whole = engine.shard_runner(self.whole_cfg, weights)
-        except Exception as exc:  # noqa: BLE001 - reported through the vote
-            why = exc
-        del weights
-        if not all(self.group.all_gather_int(int(self.whole is not None))):
-            raise RuntimeError("a member could not build its whole runner" if why is None
-                               else f"its whole runner could not be built: {why}")
+            ok = all(self.group.all_gather_int(int(why is None)))
+        except Exception as exc:  # noqa: BLE001 - a member is gone: heal
+            why, ok = why or exc, False
+        if not ok:
+            self._heal(why or RuntimeError("another member failed its part"))
 
     # -- a step ---------------------------------------------------------------------------------------------------
     def _own(self, batch: StageBatch) -> tuple[list[int], StageBatch]:
@@ -259,14 +267,17 @@ class StaggeredSplit:
         t0 = time.monotonic()
         layer = self.boundary - 1
         payload = json.dumps(self.engine.block_tables()).encode() if self.rank == 0 else b""
+        why: Exception | None = None
+        sent = received = peak = 0
         try:
             tables: dict[str, list[int]] = json.loads(self.group.all_gather_bytes(payload)[0] or b"{}")
             targets = {x: (self.owner[rid], self.tables[rid][j]) for rid, t in tables.items() for j, x in enumerate(t)}
             moves = kv_head_split.plan_layer_gather(targets, self.degree)
             sent, received, peak = run_moves(self.group, self.engine, [moves], self.exchange,
                                              range(layer, layer + 1), first_tag=self.end - 1 - layer)
-        except Exception as exc:  # noqa: BLE001 - the KV is not trusted any more: every member heals
-            self._heal(exc)
+        except Exception as exc:  # noqa: BLE001 - reported through the vote: the KV is not trusted any more
+            why = exc
+        self._vote(why)  # a member whose part failed after the others' went through must not leave them going on
         self.boundary = layer
         s = self.stats
         s.sent_subblocks, s.received_subblocks = max(s.sent_subblocks, sent), max(s.received_subblocks, received)
@@ -305,8 +316,12 @@ class StaggeredSplit:
         """Every member whole again, rank 0 with every request re-prefilling; raises InstanceBroken saying so."""
         traceback.clear_frames(exc.__traceback__)  # the failed frames' KV views must not pin pages a heal remaps
         engine = self.engine
-        kept = [recomputed(s) for s in engine.snapshot()] if self.rank == 0 else []
-        engine.kv.merge_kv_heads(self.degree)
-        runner = self.whole or engine.shard_runner(self.whole_cfg, self.member.whole(()))
-        engine.change_shard(runner, kept, tensor_parallel=False)
+        try:
+            kept = [recomputed(s) for s in engine.snapshot()] if self.rank == 0 else []
+            engine.kv.merge_kv_heads(self.degree)
+            runner = self.whole or engine.shard_runner(self.whole_cfg, self.member.whole(()))
+            engine.change_shard(runner, kept, tensor_parallel=False)
+        except Exception as failed:  # not a refusal (ValueError): this member's state is not known
+            raise RuntimeError(f"in-place TP{self.degree} staggered scale-down failed on rank {self.rank} ({exc}) and "
+                               f"could not heal: {type(failed).__name__}: {failed}") from failed
         raise healed("staggered scale-down", self.rank, self.degree, len(kept), exc) from exc
