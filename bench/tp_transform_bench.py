@@ -16,7 +16,7 @@ members), the most one member held staged at once beside the KV bytes the instan
 pages mapped before the merge, after it and after the split (the move maps and releases none), both transformation
 times and each as a multiple of the merged instance's step and of a whole instance's. Two pool layouts: the whole
 weights (a member computes on a copy of its shard, given) and the padded MLP (`padded_mlp`: each member computes on
-its pool's pages and releases the MLP shards it no longer keeps to its KV at the commit, and takes them back from its
+its pool's pages and releases the MLP shards it no longer keeps to its KV first (MLP-first), and takes them back from its
 host copy at the split): per row also the weight pages rank 0 released and its KV (sub-)blocks whole and merged.
 One untimed merge and split of the empty engines comes first, so the first row does not pay the group's first use.
 Afterwards every request's greedy tokens, across the merge and the split, are checked against the dense reference

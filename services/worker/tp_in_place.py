@@ -119,7 +119,7 @@ class InPlaceTP:
         ends); ValueError / InstanceBroken / RuntimeError leave the worker whole (see the module docstring)."""
         rank, degree = membership.rank, membership.degree
         shard_source = sharded_source(self.instance.source, rank, degree)
-        # a pool with the padded MLP gives the member its own pages (released in place at the commit); else a copy
+        # a pool with the padded MLP gives the member its own pages (released in place first); else a copy
         shard: Weights | PooledInstance = (self.instance if self.instance.padded_mlp
                                            else await asyncio.to_thread(shard_source.load_weights))
         await self._link(membership, addresses or {})  # before the rendezvous, which absorbs the members' skew

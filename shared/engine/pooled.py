@@ -226,11 +226,21 @@ class PooledInstance:
         self.layout.release_views()  # the layout's own all-shard views must not pin the pages being released
         return weights
 
-    def commit_shard(self, rank: int, degree: int) -> None:
-        """After the scale-up committed: the MLP shards this member no longer computes on go to its KV, in place."""
-        result = self.layout.release_shards(self._keep(rank, degree))
+    def release_shard(self, rank: int, degree: int) -> bool:
+        """MLP-first (Gyges §4.3): the engine drops its whole weights (nothing computes during the change) and the MLP
+        shards rank `rank` will not compute on go to the KV tails, in place. False (nothing released) without the
+        padded MLP."""
+        if not self.padded_mlp:
+            return False
+        self.engine.release_weights()
+        try:
+            result = self.layout.release_shards(self._keep(rank, degree))
+        except BaseException:
+            self.rebind_weights()  # refused with nothing changed: the engine computes on the whole weights again
+            raise
         get_logger().info("tp_shards_released", rank=rank, degree=degree, pages=result.pages_unmapped,
                           kv_blocks=result.new_num_blocks)
+        return True
 
     def whole_blocks(self, blocks: int, degree: int) -> int:
         """Whole blocks once the released shards are back (blocks // degree when none is released)."""

@@ -8,12 +8,16 @@ being formed (or split), between two iterations of its engine (nothing in flight
 
 1. each member snapshots its requests and the members exchange them (one all-gather): every member learns every
    member's used blocks, and rank 0 gets the requests it will own;
-2. every member computes the same `plan_head_split` and reads its KV at H/degree heads per block
+2. MLP first (Gyges §4.3): each member releases what its shard will not compute on (`MemberWeights.release_shard`:
+   a padded pool's other MLP shards go to its KV tails, in place; nothing for weights held apart) and the members
+   gather their new block counts: a member that failed, or unequal counts, make every member whole again with its
+   requests keeping their KV (no byte moved yet);
+3. every member computes the same `plan_head_split` and reads its KV at H/degree heads per block
    (`split_kv_heads`: the header-centric block makes a rank's heads one byte range, so no byte moves);
-3. the exchange's phases run layer by layer over the group (`run_moves`): per layer and phase each member reads
+4. the exchange's phases run layer by layer over the group (`run_moves`): per layer and phase each member reads
    the sub-blocks it sends into one buffer per peer, sends them and receives the peers', then writes what it
    received; the staging is one phase of one layer;
-4. every member builds its shard's runner and the members vote (one all-gather): only when all are ready does any
+5. every member builds its shard's runner and the members vote (one all-gather): only when all are ready does any
    commit, so no request ends up owned twice; then every member computes as its shard (`Engine.change_shard`:
    without layer-wise preemption safepoints or KV checkpoints, which would act on its own heads alone, until it
    is whole again); rank 0 takes every member's requests, their block tables mapped into the merged block space
@@ -38,7 +42,8 @@ being formed (or split), between two iterations of its engine (nothing in flight
 different block counts, requests that do not fit the whole instances) raises ValueError on every member before
 anything changed: the members gather their checks first (`agree_checks`). A member that dies or hangs mid-move (the
 group's collective fails or times out) or cannot build its runner before the vote leaves the KV untrusted: every
-member that sees it heals (`InstanceBroken` says so), reading its blocks at all heads again and becoming a whole
+member heals (`TPHealed` says so; a member whose moves or runner failed votes no, so the others need not wait for
+the group's timeout unless it stopped mid-exchange), reading its blocks at all heads again and becoming a whole
 instance whose requests re-prefill (a recompute preemption: the same greedy tokens) — after a failed scale-up each
 member keeps its own requests, after a failed scale-down rank 0 keeps all of them (where their streams are; each fits
 a whole instance, or the assignment would have refused); a member that died takes its own with it (in a cluster their
@@ -47,12 +52,12 @@ streams end and the dispatcher resumes them elsewhere).
 **Weights** (`MemberWeights`). Given as plain tensors (`FixedWeights`: the shard each member keeps for a scale-up,
 `tp_shard.shard_weights`, the whole model's for a scale-down) they live apart from the KV and nothing is released.
 A pooled instance whose pool holds the MLP in page-aligned shards (`pooled.PooledInstance(padded_mlp=True)`, Gyges
-§4.2) is its own `MemberWeights`: its member computes on views of the shards it keeps, and once the scale-up has
-committed the pool releases the other shards' pages to the KV in place (no weight copy; the merged instance holds more
-KV than its members did whole); a scale-down sizes the whole instances at the capacity they will have with their
+§4.2) is its own `MemberWeights`: its member computes on views of the shards it keeps, and the scale-up's first step
+releases the other shards' pages to the KV in place (no weight copy; the merged instance holds more KV than its
+members did whole; a heal takes them back); a scale-down sizes the whole instances at the capacity they will have with their
 shards back, gathers the KV below it, and takes the pages back from the KV tails and refills those shards before the
-vote. **What differs from Gyges.** The MLP pages are released at the commit, after the KV moves (which need no free
-page: they stay inside the blocks already mapped), not first; a scale-down refills a member's shards from its own
+vote. **What differs from Gyges.** The KV moves need no free page (they stay inside the blocks already mapped), so
+the pages released first are not used until the merged instance computes; a scale-down refills a member's shards from its own
 host copy (or the checkpoint), not from its peers. Both transformations here run between two iterations of the
 instance (every request changes parallelism at once, between two of its tokens), so the order of the layers does not
 matter and is the natural one; a worker splits layer by layer instead, last layer first, computing between the
@@ -76,7 +81,6 @@ from kunserve.shared.engine.engine import Engine, InstanceBroken, TPHealed
 from kunserve.shared.engine.kv_blocks import life_blocks
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.tensor_parallel import TPGroup
-from kunserve.shared.log import get_logger
 from kunserve.shared.memory import kv_head_split, kv_layout
 from kunserve.shared.memory.kv_head_split import SubBlockMove
 from kunserve.shared.model.architecture import ModelConfig
@@ -111,8 +115,10 @@ class MemberWeights(Protocol):
         """The weights rank `rank` of a TP`degree` instance computes on (built before the vote; nothing changes)."""
         ...
 
-    def commit_shard(self, rank: int, degree: int) -> None:
-        """After the scale-up committed (the engine computes on `shard`): release what the shard no longer needs."""
+    def release_shard(self, rank: int, degree: int) -> bool:
+        """A scale-up's first step (MLP-first): release what rank `rank`'s shard will not compute on, before any KV
+        moves (nothing computes during the change). True when it released anything: the engine's whole weights are
+        then gone too, and a heal takes them back through `whole`."""
         ...
 
     def whole_blocks(self, blocks: int, degree: int) -> int:
@@ -136,8 +142,8 @@ class FixedWeights:
         assert self.shard_weights is not None, "no shard weights given"
         return self.shard_weights
 
-    def commit_shard(self, rank: int, degree: int) -> None:
-        return None
+    def release_shard(self, rank: int, degree: int) -> bool:
+        return False
 
     def whole_blocks(self, blocks: int, degree: int) -> int:
         return blocks // degree  # a tail too short for a whole block is dropped by the merge
@@ -230,9 +236,10 @@ def recomputed(s: SeqSnapshot) -> SeqSnapshot:
     return SeqSnapshot(s.request, list(s.generated), 0, [], s.generator_state, s.num_preemptions + 1)
 
 
-def healed(op: str, rank: int, degree: int, requests: int, exc: Exception) -> TPHealed:
+def healed(op: str, rank: int, degree: int, requests: int, exc: Exception, *, keep: bool = False) -> TPHealed:
+    what = "keep their KV" if keep else "re-prefill"
     return TPHealed(f"in-place TP{degree} {op} failed on rank {rank} ({exc}); healed: this member is a whole "
-                          f"instance again and its {requests} request(s) re-prefill")
+                    f"instance again and its {requests} request(s) {what}")
 
 
 def local_error(engine: Engine) -> str:
@@ -269,16 +276,24 @@ def agree_checks(group: TPGroup, op: str, error: str) -> None:
 def _move_then_vote(group: TPGroup, engine: Engine, phases: Sequence[Sequence[SubBlockMove]], cfg: ModelConfig,
                     weights: Callable[[], Weights], exchange: Exchange | None) -> tuple[int, int, int, ModelRunner]:
     """The moves, then this member's runner for what it becomes, then the vote: every member ready, or every member
-    raises (a member that cannot answer raises InstanceBroken), so none commits alone."""
-    sent, received, peak = run_moves(group, engine, phases, exchange)
+    raises (a member that cannot answer raises InstanceBroken), so none commits alone. A member whose moves or runner
+    failed still votes (no), so the others need not wait for the group's timeout to learn it."""
+    sent = received = peak = 0
     runner: ModelRunner | None = None
     why: Exception | None = None
     try:
+        sent, received, peak = run_moves(group, engine, phases, exchange)
         runner = engine.shard_runner(cfg, weights())
     except Exception as exc:  # noqa: BLE001 - reported through the vote
         why = exc
-    if not all(group.all_gather_int(int(runner is not None))):
-        raise RuntimeError("a member could not build its runner" if why is None else f"its runner could not be built: {why}")
+    try:
+        ready = all(group.all_gather_int(int(runner is not None)))
+    except InstanceBroken:
+        if why is not None:
+            raise why from None
+        raise
+    if not ready:
+        raise why or RuntimeError("another member failed its moves or could not build its runner")
     assert runner is not None
     return sent, received, peak, runner
 
@@ -311,23 +326,33 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
     mine = engine.snapshot()
     everyone = [snapshots_from_bytes(b, now) for b in group.all_gather_bytes(snapshots_to_bytes(mine, now))]
     used = [{b for s in snaps for b in s.blocks} for snaps in everyone]
-    plan = kv_head_split.plan_head_split(used, blocks_before, whole_heads, max_phase_subblocks)
-    engine.kv.split_kv_heads(degree)
-    try:  # no byte moved yet: reading the blocks whole again undoes the split
-        sub_counts = group.all_gather_int(engine.kv.num_blocks)
-    except InstanceBroken:
-        engine.kv.merge_kv_heads(degree)
-        raise
-    if len(set(sub_counts)) != 1:  # a pool layout's tail can hold a few more sub-blocks on one member
-        engine.kv.merge_kv_heads(degree)
-        raise ValueError(f"members have different sub-block counts {sub_counts} (by rank) after the head split")
+    whole_cfg = engine.cfg
+    released = False
+    why: Exception | None = None
+    try:  # MLP first (Gyges §4.3): the shards this member will not compute on go to its KV tails; no KV byte moves
+        released = member.release_shard(me, degree)
+        blocks = engine.kv.num_blocks
+    except Exception as exc:  # noqa: BLE001 - reported through the gather below
+        why, blocks = exc, -1
     try:
+        counts = group.all_gather_int(blocks)
+    except InstanceBroken as exc:
+        why, counts = why or exc, [-1]
+    if -1 in counts or len(set(counts)) != 1:  # the KV is where it was: every member whole again, keeping it
+        _whole_again(engine, member, whole_cfg, released, mine, recompute=False, degree=degree, split=False)
+        raise healed("scale-up", me, degree, len(mine), why or RuntimeError(
+            f"the members released their MLP shards to unequal KV blocks {counts} (by rank)"), keep=True)
+    plan = kv_head_split.plan_head_split(used, blocks, whole_heads, max_phase_subblocks)
+    engine.kv.split_kv_heads(degree)
+    try:
+        sub_counts = group.all_gather_int(engine.kv.num_blocks)
+        if len(set(sub_counts)) != 1:  # a pool layout's tail can hold a few more sub-blocks on one member
+            raise ValueError(f"members have different sub-block counts {sub_counts} (by rank) after the head split")
         sent, received, peak, runner = _move_then_vote(group, engine, plan.phases, shard_cfg,
                                                        lambda: member.shard(me, degree), exchange)
     except Exception as exc:  # a member died, hung or failed before the commit: this member's KV is not trusted
         traceback.clear_frames(exc.__traceback__)  # the failed frames' KV views must not pin pages a heal remaps
-        engine.kv.merge_kv_heads(degree)
-        engine.become_whole(mine, recompute=True)
+        _whole_again(engine, member, whole_cfg, released, mine, recompute=True, degree=degree, split=True)
         raise healed("scale-up", me, degree, len(mine), exc) from exc
     owned: list[SeqSnapshot] = []
     if me == 0:
@@ -339,31 +364,24 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
                                          s.num_preemptions))
         owned.sort(key=lambda s: s.request.arrival_time)
     engine.change_shard(runner, owned, tensor_parallel=True)
-    _commit_shards(group, engine, member)
     moved = {s.request.request_id: 0 for m, snaps in enumerate(everyone) if m != 0 for s in snaps}
     return TransformReport("scale-up", me, degree, len(owned), len(moved), sent, received, peak, blocks_before,
                            engine.kv.num_blocks, time.monotonic() - t0, moved)
 
 
-def _commit_shards(group: TPGroup, engine: Engine, member: MemberWeights) -> None:
-    """After the scale-up's commit: every member releases what its shard no longer needs and the members check that
-    they still hold equal block counts. The instance exists by now, so a failure here cannot be undone: it breaks the
-    group (`group.broken`: its next collective raises InstanceBroken, and a worker exits and starts again)."""
-    me, degree = group.rank, group.degree
-    try:
-        member.commit_shard(me, degree)
-        engine.sync_kv_capacity()
-        blocks = engine.kv.num_blocks
-    except Exception as exc:  # noqa: BLE001 - reported through the gather below
-        get_logger().error("tp_commit_failed", rank=me, degree=degree, error=f"{type(exc).__name__}: {exc}")
-        blocks = -1
-    try:
-        counts = group.all_gather_int(blocks)
-    except InstanceBroken:
-        return  # the group says why
-    if len(set(counts)) != 1 or -1 in counts:
-        group.broken = (f"in-place TP{degree} scale-up committed but its members could not release their weight shards "
-                        f"to equal KV: blocks {counts} by rank (-1: failed)")
+def _whole_again(engine: Engine, member: MemberWeights, whole_cfg: ModelConfig, released: bool,
+                 mine: Sequence[SeqSnapshot], *, recompute: bool, degree: int, split: bool) -> None:
+    """A failed scale-up's heal on this member: its blocks read whole again (`split`: the heads were split), its
+    released MLP shards taken back (`released`: then its whole runner is rebuilt over them), and its own requests
+    back, re-prefilling when their KV is not trusted (`recompute`)."""
+    if split:
+        engine.kv.merge_kv_heads(degree)
+    if not released:
+        engine.become_whole(mine, recompute=recompute)
+        return
+    kept = [recomputed(s) for s in mine] if recompute else list(mine)
+    weights = member.whole([b for s in kept for b in s.blocks])
+    engine.change_shard(engine.shard_runner(whole_cfg, weights), kept, tensor_parallel=False)
 
 
 def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: Weights | MemberWeights, *,

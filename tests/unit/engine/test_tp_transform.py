@@ -14,7 +14,7 @@ from oracle import compare_greedy
 
 from kunserve.benchkit.tp_members import TokenLog, free_port, on_ranks
 from kunserve.shared.engine.api import EngineRequest, InvalidRequest, SamplingParams
-from kunserve.shared.engine.engine import Engine, InstanceBroken, SchedulerConfig
+from kunserve.shared.engine.engine import Engine, InstanceBroken, SchedulerConfig, TPHealed
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader
 from kunserve.shared.engine.tp_transform import TransformReport, scale_down, scale_up
@@ -314,6 +314,56 @@ def test_a_padded_member_failing_mid_split_heals_every_member_with_its_shards_ba
             i.layout.check_invariants()
         assert len(engines[0].seqs) == len(requests) and not engines[1].seqs
         step_until(engines[0], tokens, lambda: False)
+        assert tokens.finished == set(requests)
+        assert_reference_tokens(cfg, weights, requests, tokens)
+    finally:
+        for i in insts:
+            i.close()
+
+
+@pytest.mark.parametrize("where", ["release", "move"])
+def test_a_padded_member_failing_mid_scale_up_heals_every_member_with_its_shards_back(where, monkeypatch):
+    """MLP-first: every member releases its MLP shards before any KV moves. Rank 1 fails either its release (rank 0's
+    went through: the KV is where it was, so both whole again keep their requests' KV) or its part of the moves after
+    its exchange went through (the vote makes both heal at once; the requests re-prefill). Either way each member
+    takes its released shards back and ends with every page where it was, and every request the reference's tokens."""
+    torch.set_num_threads(1)
+    cfg, weights = model("tiny")
+    degree = 2
+    insts = padded_instances(degree)
+    try:
+        engines = [i.engine for i in insts]
+        requests, tokens = start_decoding(engines)
+        mapped, blocks = [i.pool.mapped_count for i in insts], [e.kv.num_blocks for e in engines]
+        weight_pages = [i.layout.weight_pages for i in insts]
+        port = free_port()
+        groups: list[TPGroup] = on_ranks(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=30,
+                                                                   rendezvous_timeout_s=60))  # type: ignore[assignment]
+        exchange = None
+        if where == "release":
+            def no_release(keep):
+                raise RuntimeError("injected: the release failed")
+            monkeypatch.setattr(insts[1].layout, "release_shards", no_release)
+        else:
+            def exchange(sends, recvs, tag):  # rank 1's part of the last layer's exchange goes through, then fails
+                groups[1].exchange(sends, recvs, tag)
+                if tag == cfg.num_layers - 1:  # one phase per layer: few blocks are in use
+                    raise RuntimeError("injected: rank 1 failed after its exchange")
+        outcomes = on_ranks(degree, lambda r: _outcome(lambda q: scale_up(
+            engines[q], groups[q], shard_config(cfg, degree), insts[q], exchange=exchange if q == 1 else None), r))
+        for g in groups:
+            g.close()
+        assert all(isinstance(o, TPHealed) for o in outcomes), outcomes
+        assert all(("keep their KV" if where == "release" else "re-prefill") in str(o) for o in outcomes), outcomes
+        for r, i in enumerate(insts):
+            assert i.layout.kept_shards == range(4) and i.layout.weight_pages == weight_pages[r]
+            assert i.pool.mapped_count == mapped[r] and engines[r].kv.num_blocks == blocks[r]
+            i.layout.check_invariants()
+        preempted = [s.num_preemptions for e in engines for s in e.snapshot()]
+        assert all(n == (0 if where == "release" else 1) for n in preempted), preempted
+        for e in engines:
+            assert len(e.seqs) == 2 and e.runner.reduce is None
+            step_until(e, tokens, lambda: False)
         assert tokens.finished == set(requests)
         assert_reference_tokens(cfg, weights, requests, tokens)
     finally:
