@@ -348,6 +348,10 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
         sub_counts = group.all_gather_int(engine.kv.num_blocks)
         if len(set(sub_counts)) != 1:  # a pool layout's tail can hold a few more sub-blocks on one member
             raise ValueError(f"members have different sub-block counts {sub_counts} (by rank) after the head split")
+    except Exception as exc:  # no byte moved yet: every member whole again, keeping the KV
+        _whole_again(engine, member, whole_cfg, released, mine, recompute=False, degree=degree, split=True)
+        raise healed("scale-up", me, degree, len(mine), exc, keep=True) from exc
+    try:
         sent, received, peak, runner = _move_then_vote(group, engine, plan.phases, shard_cfg,
                                                        lambda: member.shard(me, degree), exchange)
     except Exception as exc:  # a member died, hung or failed before the commit: this member's KV is not trusted
