@@ -19,7 +19,7 @@ import grpc
 
 from kunserve.shared.config import TensorParallelSection
 from kunserve.shared.engine.api import EngineRequest, FinishReason, InvalidRequest, TokenEvent
-from kunserve.shared.engine.engine import InstanceBroken
+from kunserve.shared.engine.engine import HealFailed, InstanceBroken
 from kunserve.shared.engine.loop import EngineStopped
 from kunserve.shared.engine.pooled import LayerChange, PooledInstance
 from kunserve.shared.engine.tensor_parallel import TPFollower
@@ -574,6 +574,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._context = contextvars.copy_context()  # the service's log context, for the split a follower thread starts
         try:
             report = await self.in_place.merge(membership, self._follower_ended, addresses)
+        except HealFailed as exc:  # failed and could not heal: this worker's state is not known
+            self.tp = membership
+            self._exit_broken(membership, f"in-place scale-up: {exc}")
+            return
         except Exception as exc:  # refused, healed or never met: whole, as before (tp_in_place.py)
             self.log.error("tensor_parallel_in_place_failed", op="scale-up", members=list(new.members),
                            error=f"{type(exc).__name__}: {exc}", now="whole instance")

@@ -20,8 +20,10 @@ its own engine thread: `follower_split`) and finishes; each member opens the str
 the barrier, and rank 0 then ends the streams of those that left with `moved_to` their new worker. Every member is a
 whole instance again.
 
-Failures: refused (ValueError: a check failed on some member) or healed (InstanceBroken: a member died or hung mid-move,
-every member whole again with its own requests re-prefilling) leave every stream where it was and the worker whole.
+Failures: refused (ValueError: a check failed on some member) or healed (TPHealed: a member failed, died or hung
+part-way, every member whole again with its own requests, keeping their KV when none had moved yet, else
+re-prefilling) leave every stream where it was and the worker whole. A member that cannot heal either (HealFailed)
+exits with EXIT_BROKEN.
 A failure after the commit breaks the new instance: the membership's watch then ends the worker with EXIT_BROKEN
 (a supervisor starts it again as configured) and its streams end, so the dispatcher resumes their requests elsewhere.
 """

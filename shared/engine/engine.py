@@ -49,7 +49,7 @@ from kunserve.shared.policy.layerwise_preemption import IterationInFlight, shoul
 from kunserve.shared.policy.measured_latency import MeasuredLatencyModel
 from kunserve.shared.policy.microbatch import DecodeSplit, Microbatch, MicrobatchFormer
 
-__all__ = ["Engine", "SchedulerConfig", "PipelineLink", "GroupBroken", "InstanceBroken", "TPHealed", "NotServing"]
+__all__ = ["Engine", "SchedulerConfig", "PipelineLink", "GroupBroken", "InstanceBroken", "TPHealed", "HealFailed", "NotServing"]
 
 
 class GroupBroken(RuntimeError):
@@ -76,6 +76,11 @@ class InstanceBroken(RuntimeError):
 class TPHealed(InstanceBroken):
     """An in-place tensor-parallel change failed part-way and this member healed (tp_transform.py, tp_stagger.py): it
     is a whole engine again, and no longer computes with the others."""
+
+
+class HealFailed(RuntimeError):
+    """An in-place tensor-parallel change failed and this member could not heal either: its state is not known (a
+    worker exits and is started again)."""
 
 
 class NotServing(InvalidRequest):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kunserve.shared.engine.api import SeqSnapshot
-from kunserve.shared.engine.engine import Engine
+from kunserve.shared.engine.engine import Engine, HealFailed
 from kunserve.shared.log import get_logger
 from kunserve.shared.memory import create_pool
 from kunserve.shared.memory.errors import KVCapacityError, MemoryPoolError
@@ -233,9 +233,12 @@ class PooledInstance:
         if not self.padded_mlp:
             return False
         self.engine.release_weights()
+        pages = self.layout.weight_pages
         try:
             result = self.layout.release_shards(self._keep(rank, degree))
-        except BaseException:
+        except Exception as exc:
+            if self.layout.weight_pages != pages:  # it failed part-way: which pages hold what is not known
+                raise HealFailed(f"releasing the MLP shards failed part-way: {type(exc).__name__}: {exc}") from exc
             self.rebind_weights()  # refused with nothing changed: the engine computes on the whole weights again
             raise
         get_logger().info("tp_shards_released", rank=rank, degree=degree, pages=result.pages_unmapped,

@@ -32,7 +32,7 @@ that finish or are preempted meanwhile simply leave their reserved blocks unused
 `split_layer` end with a vote (one all-gather): when any member failed its part (a collective or an exchange
 raised, its weights or runner could not be had) or cannot answer, every member heals as `scale_down` does: a whole
 engine again (its whole weights back), rank 0 with every request, re-prefilling; the others with none (TPHealed). A
-member that cannot even heal raises RuntimeError: its state is not known. A member that dies between two layers
+member that cannot even heal raises HealFailed: its state is not known. A member that dies between two layers
 breaks the instance's next step, as any TP member's death does (tensor_parallel.py).
 
 **What differs from Gyges.** The layers move between iterations, one per call, not on a separate stream inside an
@@ -51,7 +51,7 @@ from typing import NoReturn
 import torch
 
 from kunserve.shared.engine.api import SeqSnapshot
-from kunserve.shared.engine.engine import Engine
+from kunserve.shared.engine.engine import Engine, HealFailed
 from kunserve.shared.engine.kv_blocks import life_blocks
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.stage_wire import StageBatch
@@ -322,6 +322,6 @@ class StaggeredSplit:
             runner = self.whole or engine.shard_runner(self.whole_cfg, self.member.whole(()))
             engine.change_shard(runner, kept, tensor_parallel=False)
         except Exception as failed:  # not a refusal (ValueError): this member's state is not known
-            raise RuntimeError(f"in-place TP{self.degree} staggered scale-down failed on rank {self.rank} ({exc}) and "
+            raise HealFailed(f"in-place TP{self.degree} staggered scale-down failed on rank {self.rank} ({exc}) and "
                                f"could not heal: {type(failed).__name__}: {failed}") from failed
         raise healed("staggered scale-down", self.rank, self.degree, len(kept), exc) from exc

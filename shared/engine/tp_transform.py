@@ -77,7 +77,7 @@ from typing import Protocol
 import torch
 
 from kunserve.shared.engine.api import SeqSnapshot
-from kunserve.shared.engine.engine import Engine, InstanceBroken, TPHealed
+from kunserve.shared.engine.engine import Engine, HealFailed, InstanceBroken, TPHealed
 from kunserve.shared.engine.kv_blocks import life_blocks
 from kunserve.shared.engine.model_runner import ModelRunner
 from kunserve.shared.engine.tensor_parallel import TPGroup
@@ -326,6 +326,8 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
     mine = engine.snapshot()
     everyone = [snapshots_from_bytes(b, now) for b in group.all_gather_bytes(snapshots_to_bytes(mine, now))]
     used = [{b for s in snaps for b in s.blocks} for snaps in everyone]
+    # planned before anything changes: a plan that cannot be made is refused alike on every member
+    plan = kv_head_split.plan_head_split(used, blocks_before, whole_heads, max_phase_subblocks)
     whole_cfg = engine.cfg
     released = False
     why: Exception | None = None
@@ -342,14 +344,15 @@ def scale_up(engine: Engine, group: TPGroup, shard_cfg: ModelConfig, shard: Weig
         _whole_again(engine, member, whole_cfg, released, mine, recompute=False, degree=degree, split=False)
         raise healed("scale-up", me, degree, len(mine), why or RuntimeError(
             f"the members released their MLP shards to unequal KV blocks {counts} (by rank)"), keep=True)
-    plan = kv_head_split.plan_head_split(used, blocks, whole_heads, max_phase_subblocks)
-    engine.kv.split_kv_heads(degree)
+    split = False
     try:
+        engine.kv.split_kv_heads(degree)
+        split = True
         sub_counts = group.all_gather_int(engine.kv.num_blocks)
         if len(set(sub_counts)) != 1:  # a pool layout's tail can hold a few more sub-blocks on one member
             raise ValueError(f"members have different sub-block counts {sub_counts} (by rank) after the head split")
-    except Exception as exc:  # no byte moved yet: every member whole again, keeping the KV
-        _whole_again(engine, member, whole_cfg, released, mine, recompute=False, degree=degree, split=True)
+    except Exception as exc:  # noqa: BLE001 - no byte moved yet: every member whole again, keeping the KV
+        _whole_again(engine, member, whole_cfg, released, mine, recompute=False, degree=degree, split=split)
         raise healed("scale-up", me, degree, len(mine), exc, keep=True) from exc
     try:
         sent, received, peak, runner = _move_then_vote(group, engine, plan.phases, shard_cfg,
@@ -377,15 +380,18 @@ def _whole_again(engine: Engine, member: MemberWeights, whole_cfg: ModelConfig, 
                  mine: Sequence[SeqSnapshot], *, recompute: bool, degree: int, split: bool) -> None:
     """A failed scale-up's heal on this member: its blocks read whole again (`split`: the heads were split), its
     released MLP shards taken back (`released`: then its whole runner is rebuilt over them), and its own requests
-    back, re-prefilling when their KV is not trusted (`recompute`)."""
-    if split:
-        engine.kv.merge_kv_heads(degree)
-    if not released:
-        engine.become_whole(mine, recompute=recompute)
-        return
-    kept = [recomputed(s) for s in mine] if recompute else list(mine)
-    weights = member.whole([b for s in kept for b in s.blocks])
-    engine.change_shard(engine.shard_runner(whole_cfg, weights), kept, tensor_parallel=False)
+    back, re-prefilling when their KV is not trusted (`recompute`). HealFailed when it cannot be had."""
+    try:
+        if split:
+            engine.kv.merge_kv_heads(degree)
+        if not released:
+            engine.become_whole(mine, recompute=recompute)
+            return
+        kept = [recomputed(s) for s in mine] if recompute else list(mine)
+        weights = member.whole([b for s in kept for b in s.blocks])
+        engine.change_shard(engine.shard_runner(whole_cfg, weights), kept, tensor_parallel=False)
+    except Exception as exc:
+        raise HealFailed(f"a failed in-place scale-up could not heal: {type(exc).__name__}: {exc}") from exc
 
 
 def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: Weights | MemberWeights, *,
@@ -412,8 +418,11 @@ def scale_down(engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: We
     except Exception as exc:  # a member died, hung or failed mid-move: whole again, rank 0 with every request recomputed
         traceback.clear_frames(exc.__traceback__)  # the failed frames' KV views must not pin pages a heal remaps
         kept = [recomputed(s) for s in snaps] if me == 0 else []  # where their streams are: nothing moved yet
-        engine.kv.merge_kv_heads(degree)  # no local holds the weights: the raised error must not pin their views
-        engine.change_shard(engine.shard_runner(whole_cfg, member.whole(())), kept, tensor_parallel=False)
+        try:
+            engine.kv.merge_kv_heads(degree)  # no local holds the weights: the raised error must not pin their views
+            engine.change_shard(engine.shard_runner(whole_cfg, member.whole(())), kept, tensor_parallel=False)
+        except Exception as failed:
+            raise HealFailed(f"a failed in-place split could not heal: {type(failed).__name__}: {failed}") from failed
         raise healed("scale-down", me, degree, len(kept), exc) from exc
     engine.kv.merge_kv_heads(degree)
     owned = [SeqSnapshot(s.request, list(s.generated), s.num_computed, [plan.block_maps[me][b] for b in s.blocks],

@@ -14,7 +14,7 @@ from oracle import compare_greedy
 
 from kunserve.benchkit.tp_members import TokenLog, free_port, on_ranks
 from kunserve.shared.engine.api import EngineRequest, InvalidRequest, SamplingParams
-from kunserve.shared.engine.engine import Engine, InstanceBroken, SchedulerConfig, TPHealed
+from kunserve.shared.engine.engine import Engine, HealFailed, InstanceBroken, SchedulerConfig, TPHealed
 from kunserve.shared.engine.pooled import PooledInstance
 from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader
 from kunserve.shared.engine.tp_transform import TransformReport, scale_down, scale_up
@@ -355,6 +355,8 @@ def test_a_padded_member_failing_mid_scale_up_heals_every_member_with_its_shards
             g.close()
         assert all(isinstance(o, TPHealed) for o in outcomes), outcomes
         assert all(("keep their KV" if where == "release" else "re-prefill") in str(o) for o in outcomes), outcomes
+        if where == "move":  # rank 1 voted no: rank 0 learnt it from the vote, not from a timed-out collective
+            assert "another member failed its moves" in str(outcomes[0]), outcomes
         for r, i in enumerate(insts):
             assert i.layout.kept_shards == range(4) and i.layout.weight_pages == weight_pages[r]
             assert i.pool.mapped_count == mapped[r] and engines[r].kv.num_blocks == blocks[r]
@@ -366,6 +368,46 @@ def test_a_padded_member_failing_mid_scale_up_heals_every_member_with_its_shards
             step_until(e, tokens, lambda: False)
         assert tokens.finished == set(requests)
         assert_reference_tokens(cfg, weights, requests, tokens)
+    finally:
+        for i in insts:
+            i.close()
+
+
+def test_a_padded_member_that_cannot_take_its_shards_back_says_its_state_is_not_known(monkeypatch):
+    """Rank 1 fails its moves and then cannot refill its released MLP shards: HealFailed (a worker exits and starts
+    again), never a refusal or a heal that leaves an engine with no weights serving; rank 0 heals."""
+    torch.set_num_threads(1)
+    cfg, _ = model("tiny")
+    degree = 2
+    insts = padded_instances(degree)
+    try:
+        engines = [i.engine for i in insts]
+        start_decoding(engines)
+        port = free_port()
+        groups: list[TPGroup] = on_ranks(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=30,
+                                                                   rendezvous_timeout_s=60))  # type: ignore[assignment]
+
+        def exchange(sends, recvs, tag):
+            groups[1].exchange(sends, recvs, tag)
+            if tag == cfg.num_layers - 1:
+                raise RuntimeError("injected: rank 1 failed after its exchange")
+
+        def no_weights(used):
+            raise OSError("injected: the checkpoint cannot be read")
+
+        monkeypatch.setattr(insts[1], "whole", no_weights)
+        def up(r: int) -> object:
+            try:
+                return scale_up(engines[r], groups[r], shard_config(cfg, degree), insts[r],
+                                exchange=exchange if r == 1 else None)
+            except (InstanceBroken, HealFailed) as exc:
+                return exc
+
+        outcomes = on_ranks(degree, up)
+        for g in groups:
+            g.close()
+        assert isinstance(outcomes[0], TPHealed), outcomes
+        assert isinstance(outcomes[1], HealFailed) and "checkpoint cannot be read" in str(outcomes[1]), outcomes
     finally:
         for i in insts:
             i.close()
