@@ -33,8 +33,11 @@ class StreamRegistry(Generic[T]):
         self._queues[key] = q
         return q
 
-    def close(self, key: str) -> None:
-        self._queues.pop(key, None)
+    def close(self, key: str, queue: asyncio.Queue[Any] | None = None) -> None:
+        """Forget `key`'s stream; with `queue`, only while it is still that one (a stream that ended early must not
+        close the next stream of the same key)."""
+        if queue is None or self._queues.get(key) is queue:
+            self._queues.pop(key, None)
 
     def __contains__(self, key: str) -> bool:
         return key in self._queues

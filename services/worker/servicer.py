@@ -193,6 +193,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     # This request alone failed (the engine goes on): INTERNAL, which the dispatcher passes to
                     # its client instead of carrying the request to another worker.
                     finished = True
+                    self.streams.close(rid, queue)  # the engine no longer has it (see the LOST case below)
                     await context.abort(grpc.StatusCode.INTERNAL, f"request {rid!r} failed on worker {wid}: "
                                         f"{ev.error}")
                 if ev.finish_reason is FinishReason.LOST or (
@@ -200,6 +201,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     finished = True
                     why = f"engine failed: {self.engine.error!r}" if self.engine.error is not None else \
                         "it cannot serve this request any more (layout changed)"
+                    # forgotten before the status goes out: abort() sends it and only then raises, so the
+                    # dispatcher may resume the request here before this generator's `finally` runs
+                    self.streams.close(rid, queue)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {wid}: {why}; resume it elsewhere",
                                         trailing_metadata=((WORKER_END, "lost"),))
                 if ev.finish_reason is FinishReason.ABORTED and ev.token_id < 0:
@@ -218,7 +222,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # Client went away (cancelled RPC), shutdown, or error: free the request's KV blocks now.
             if not finished:
                 self.engine.abort(rid)
-            self.streams.close(rid)
+            self.streams.close(rid, queue)
 
     async def Cancel(self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
