@@ -32,7 +32,7 @@ import torch
 
 from kunserve.shared.engine.accounting import BusyIdle, BusyIdleClock
 from kunserve.shared.engine.api import EngineRequest, EngineStats, FinishReason, InvalidRequest, SeqSnapshot, TokenEvent
-from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable, blocks_needed
+from kunserve.shared.engine.kv_blocks import BlockAllocator, BlockTable, blocks_needed, life_blocks
 from kunserve.shared.engine.kv_checkpoint import Checkpoint, CheckpointStats, KVCheckpointStore
 from kunserve.shared.engine.kv_landing import KVLanding
 from kunserve.shared.engine.kv_storage import KVStorage, TorchKVStorage
@@ -208,8 +208,10 @@ class Engine:
         # Rank 0 of a tensor-parallel instance (tensor_parallel.py): gets every forward's plan and inputs before it
         # computes, so the other ranks run the same forward on their shards.
         self.step_plan: Callable[[StageBatch, torch.Tensor], None] | None = None
-        # A layer-staggered split in progress (tp_stagger.py): every forward goes through it; None otherwise.
+        # A layer-staggered split in progress (tp_stagger.py): every forward goes through it; None otherwise. The
+        # requests added meanwhile stay on this engine once whole: their whole life must fit its whole blocks.
         self._staggered: StaggeredForward | None = None
+        self._stagger_blocks: int | None = None
 
     # -- requests -------------------------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> None:
@@ -231,6 +233,9 @@ class Engine:
             raise NotServing(f"this worker holds layers [{self.runner.start}, {self.runner.end}) only and heads "
                              "no pipeline group; retry on a serving worker")
         self.validate(request)
+        if self._stagger_blocks is not None and life_blocks(request, self.block_size) > self._stagger_blocks:
+            raise InvalidRequest("max_tokens", f"prompt + max_tokens need more than the {self._stagger_blocks} KV "
+                                 "blocks this worker keeps once its tensor-parallel instance has split")
         if request.request_id in self.seqs:
             raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
         gen = None
@@ -929,11 +934,13 @@ class Engine:
         self.runner.forward(inputs.to(dev), batch.positions_tensor(dev), self.kv, batch.metadata(self.block_size, dev),
                             torch.empty(0, dtype=torch.long, device=dev))
 
-    def stagger(self, forward: StaggeredForward | None) -> None:
+    def stagger(self, forward: StaggeredForward | None, whole_blocks: int | None = None) -> None:
         """While a layer-staggered split runs (tp_stagger.py), every step's forward goes through `forward` (token ids,
         logits rows: None for all, empty on a follower) and no waiting request is admitted: the layers already split
-        have no place for a new request's KV. None ends it (so does change_shard)."""
+        have no place for a new request's KV. A request added meanwhile stays here once whole: it is refused
+        (InvalidRequest) unless its whole life fits `whole_blocks`. None ends it (so does change_shard)."""
         self._staggered = forward
+        self._stagger_blocks = whole_blocks if forward is not None else None
         self.scheduler.hold_admissions(forward is not None)
 
     def block_tables(self) -> dict[str, list[int]]:

@@ -169,7 +169,7 @@ class StaggeredSplit:
         self._vote(why)
         self._first = {t[0]: rid for rid, t in tables.items()}
         self._whole_kv = _WholeBlocks(engine, whole_blocks, whole_cfg.num_kv_heads)
-        engine.stagger(self._forward)
+        engine.stagger(self._forward, whole_blocks)
         self.stats.begin_seconds = time.monotonic() - self.t0
         return self
 

@@ -14,7 +14,7 @@ import torch
 from test_tp_transform import BLOCK, assert_reference_tokens, decode_merged, model, padded_instances, start_decoding, step_until
 
 from kunserve.benchkit.tp_members import TokenLog, free_port, on_ranks, staggered_split
-from kunserve.shared.engine.api import EngineRequest, SamplingParams
+from kunserve.shared.engine.api import EngineRequest, InvalidRequest, SamplingParams
 from kunserve.shared.engine.engine import Engine, SchedulerConfig, TPHealed
 from kunserve.shared.engine.tensor_parallel import TPFollower, TPGroup, TPLeader
 from kunserve.shared.engine.tp_stagger import StaggeredSplit
@@ -62,6 +62,11 @@ def test_requests_decode_through_a_layer_by_layer_split_and_keep_their_kv(name, 
 
     def arrive() -> None:  # a request arriving once the split began waits for it to finish
         e0.add_request(late)
+        # one the merged instance holds but no whole engine: refused, since it would stay on rank 0
+        big = EngineRequest("big", list(range(3, 3 + BLOCKS * BLOCK)), SamplingParams(max_tokens=8, ignore_eos=True))
+        e0.validate(big)
+        with pytest.raises(InvalidRequest, match="once its tensor-parallel instance has split"):
+            e0.add_request(big)
 
     reports, splits = staggered_split(groups, leader, engines, tokens, cfg, lambda r: weights, before_first_layer=arrive)
     for g in groups:
