@@ -11,7 +11,17 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from test_tp_transform import BLOCK, assert_reference_tokens, decode_merged, model, padded_instances, start_decoding, step_until
+from test_tp_transform import (
+    BLOCK,
+    assert_pool_back,
+    assert_reference_tokens,
+    decode_merged,
+    model,
+    padded_instances,
+    pool_state,
+    start_decoding,
+    step_until,
+)
 
 from kunserve.benchkit.tp_members import TokenLog, free_port, on_ranks, staggered_split
 from kunserve.shared.engine.api import EngineRequest, InvalidRequest, SamplingParams
@@ -104,9 +114,8 @@ def test_a_padded_pool_takes_its_mlp_shards_back_first_and_then_splits_layer_by_
     try:
         engines = [i.engine for i in insts]
         requests, tokens = start_decoding(engines)
-        mapped = [i.pool.mapped_count for i in insts]
-        weight_pages = [i.layout.weight_pages for i in insts]
-        blocks = [e.kv.num_blocks for e in engines]
+        before = pool_state(insts)
+        blocks = [state[2] for state in before]
         groups, leader = merged(degree, cfg, weights, engines, tokens, requests, lambda r: insts[r])
         assert all(i.layout.kept_shards == shards_of(r, degree) for r, i in enumerate(insts))
         # a long request fills the merged instance's high blocks, which the whole capacity does not reach
@@ -120,10 +129,7 @@ def test_a_padded_pool_takes_its_mlp_shards_back_first_and_then_splits_layer_by_
             g.close()
         assert all(isinstance(r, TransformReport) for r in reports), reports
         assert all(s is not None and s.stats.compacted_blocks > 0 for s in splits)
-        for r, i in enumerate(insts):
-            assert i.layout.kept_shards == range(4) and i.layout.weight_pages == weight_pages[r]
-            assert i.pool.mapped_count == mapped[r] and engines[r].kv.num_blocks == blocks[r]
-            i.layout.check_invariants()
+        assert_pool_back(insts, before)
         for e in engines:
             step_until(e, tokens, lambda: False)
         assert tokens.finished == set(requests)

@@ -226,6 +226,18 @@ def padded_instances(degree: int) -> list[PooledInstance]:
             for _ in range(degree)]
 
 
+def pool_state(insts: list[PooledInstance]) -> list[tuple[int, int, int]]:
+    """Each padded member's (pool pages mapped, weight pages, KV blocks): what a change that ends whole gives back."""
+    return [(i.pool.mapped_count, i.layout.weight_pages, i.engine.kv.num_blocks) for i in insts]
+
+
+def assert_pool_back(insts: list[PooledInstance], before: list[tuple[int, int, int]]) -> None:
+    """Every member whole again with its shards back, every page where it was (`before`: pool_state)."""
+    for i, state in zip(insts, before, strict=True):
+        assert i.layout.kept_shards == range(4) and pool_state([i])[0] == state
+        i.layout.check_invariants()
+
+
 def test_a_padded_pool_gives_the_mlp_shards_a_member_no_longer_keeps_to_its_kv_and_takes_them_back():
     """Gyges §4.2 in the pool: the MLP stored in page-aligned shards; at the scale-up each member releases the shards it
     no longer computes on, in place, to its KV, so the merged instance holds more KV than its members did whole
@@ -239,9 +251,8 @@ def test_a_padded_pool_gives_the_mlp_shards_a_member_no_longer_keeps_to_its_kv_a
     try:
         engines = [i.engine for i in insts]
         requests, tokens = start_decoding(engines)
-        mapped = [i.pool.mapped_count for i in insts]
-        weight_pages = [i.layout.weight_pages for i in insts]
-        blocks = [e.kv.num_blocks for e in engines]
+        before = pool_state(insts)
+        mapped, weight_pages, blocks = (list(x) for x in zip(*before, strict=True))
         # longer than both whole instances' KV together: only the released MLP pages make room for it
         long_prompt = list(range(5, 5 + degree * blocks[0] * BLOCK + 40))
         long_req = EngineRequest("long", long_prompt, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -267,10 +278,7 @@ def test_a_padded_pool_gives_the_mlp_shards_a_member_no_longer_keeps_to_its_kv_a
         for g in groups:
             g.close()  # type: ignore[attr-defined]
         assert sum(r.requests for r in down) == 2 * degree
-        for r, i in enumerate(insts):
-            assert i.layout.kept_shards == range(4) and i.layout.weight_pages == weight_pages[r]
-            assert i.pool.mapped_count == mapped[r] and engines[r].kv.num_blocks == blocks[r]
-            i.layout.check_invariants()
+        assert_pool_back(insts, before)
         for e in engines:
             step_until(e, tokens, lambda: False)
         assert tokens.finished == set(requests) | {"long"}
@@ -293,7 +301,7 @@ def test_a_padded_member_failing_mid_split_heals_every_member_with_its_shards_ba
     try:
         engines = [i.engine for i in insts]
         requests, tokens = start_decoding(engines)
-        mapped, blocks = [i.pool.mapped_count for i in insts], [e.kv.num_blocks for e in engines]
+        before = pool_state(insts)
         port = free_port()
         groups: list[TPGroup] = on_ranks(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=3, rendezvous_timeout_s=60))  # type: ignore[assignment]
         on_ranks(degree, lambda r: scale_up(engines[r], groups[r], shard_config(cfg, degree), insts[r]))
@@ -308,10 +316,7 @@ def test_a_padded_member_failing_mid_split_heals_every_member_with_its_shards_ba
         assert all(isinstance(o, InstanceBroken) and "healed" in str(o) for o in outcomes), outcomes
         for g in groups:
             g.close()
-        for r, i in enumerate(insts):
-            assert i.layout.kept_shards == range(4) and i.pool.mapped_count == mapped[r]
-            assert engines[r].kv.num_blocks == blocks[r]
-            i.layout.check_invariants()
+        assert_pool_back(insts, before)
         assert len(engines[0].seqs) == len(requests) and not engines[1].seqs
         step_until(engines[0], tokens, lambda: False)
         assert tokens.finished == set(requests)
@@ -334,8 +339,7 @@ def test_a_padded_member_failing_mid_scale_up_heals_every_member_with_its_shards
     try:
         engines = [i.engine for i in insts]
         requests, tokens = start_decoding(engines)
-        mapped, blocks = [i.pool.mapped_count for i in insts], [e.kv.num_blocks for e in engines]
-        weight_pages = [i.layout.weight_pages for i in insts]
+        before = pool_state(insts)
         port = free_port()
         groups: list[TPGroup] = on_ranks(degree, lambda r: TPGroup(r, degree, "127.0.0.1", port, timeout_s=30,
                                                                    rendezvous_timeout_s=60))  # type: ignore[assignment]
@@ -357,10 +361,7 @@ def test_a_padded_member_failing_mid_scale_up_heals_every_member_with_its_shards
         assert all(("keep their KV" if where == "release" else "re-prefill") in str(o) for o in outcomes), outcomes
         if where == "move":  # rank 1 voted no: rank 0 learnt it from the vote, not from a timed-out collective
             assert "another member failed its moves" in str(outcomes[0]), outcomes
-        for r, i in enumerate(insts):
-            assert i.layout.kept_shards == range(4) and i.layout.weight_pages == weight_pages[r]
-            assert i.pool.mapped_count == mapped[r] and engines[r].kv.num_blocks == blocks[r]
-            i.layout.check_invariants()
+        assert_pool_back(insts, before)
         preempted = [s.num_preemptions for e in engines for s in e.snapshot()]
         assert all(n == (0 if where == "release" else 1) for n in preempted), preempted
         for e in engines:
