@@ -144,7 +144,7 @@ class StaggeredSplit:
     def begin(cls, engine: Engine, group: TPGroup, whole_cfg: ModelConfig, whole: Weights | MemberWeights, *,
               exchange: Exchange | None = None) -> StaggeredSplit:
         """Every member at once (module docstring). ValueError, with nothing changed on any member, when the split
-        is refused; InstanceBroken when a member failed after the checks (every member healed, whole again)."""
+        is refused; TPHealed when a member failed after the checks (every member healed, whole again)."""
         self = cls(engine, group, whole_cfg, as_member(whole, as_shard=False), exchange)
         degree = self.degree
         whole_blocks = self.member.whole_blocks(self.blocks_before, degree)
@@ -261,7 +261,7 @@ class StaggeredSplit:
     # -- between steps --------------------------------------------------------------------------------------------
     def split_layer(self) -> int:
         """Move the KV of the last layer not split yet to its requests' members and lower the boundary (every member
-        at once, between steps). Returns that layer. InstanceBroken (every member healed) when a member fails."""
+        at once, between steps). Returns that layer. TPHealed (every member healed) when a member fails."""
         if self.done:
             raise ValueError("every layer is split already: finish")
         t0 = time.monotonic()
@@ -313,7 +313,8 @@ class StaggeredSplit:
                                time.monotonic() - self.t0, moved)
 
     def _heal(self, exc: Exception) -> NoReturn:
-        """Every member whole again, rank 0 with every request re-prefilling; raises InstanceBroken saying so."""
+        """Every member whole again, rank 0 with every request re-prefilling; raises TPHealed saying so (HealFailed
+        when this member cannot be whole again)."""
         traceback.clear_frames(exc.__traceback__)  # the failed frames' KV views must not pin pages a heal remaps
         engine = self.engine
         try:
@@ -323,5 +324,5 @@ class StaggeredSplit:
             engine.change_shard(runner, kept, tensor_parallel=False)
         except Exception as failed:  # not a refusal (ValueError): this member's state is not known
             raise HealFailed(f"in-place TP{self.degree} staggered scale-down failed on rank {self.rank} ({exc}) and "
-                               f"could not heal: {type(failed).__name__}: {failed}") from failed
+                             f"could not heal: {type(failed).__name__}: {failed}") from failed
         raise healed("staggered scale-down", self.rank, self.degree, len(kept), exc) from exc
