@@ -394,10 +394,15 @@ class Engine:
         if self.step_plan is not None:
             self.step_plan(batch, inputs)
         dev = self.device
+        return self._compute(batch, inputs, batch.rows_tensor(dev) if self.runner.is_last else None, safepoint)
+
+    def _compute(self, batch: StageBatch, inputs: torch.Tensor, rows: torch.Tensor | None,
+                 safepoint: Safepoint | None = None) -> torch.Tensor:
+        """The forward over this engine's layers (through a staggered split while one runs): logits of `rows`."""
+        dev = self.device
         if self._staggered is not None:
-            return self._staggered(batch, inputs.to(dev), batch.rows_tensor(dev))
-        args = (inputs.to(dev), batch.positions_tensor(dev), self.kv, batch.metadata(self.block_size, dev),
-                batch.rows_tensor(dev) if self.runner.is_last else None)
+            return self._staggered(batch, inputs.to(dev), rows)
+        args = (inputs.to(dev), batch.positions_tensor(dev), self.kv, batch.metadata(self.block_size, dev), rows)
         return self.runner.forward(*args) if safepoint is None else self.runner.forward(*args, safepoint=safepoint)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk], list[ScheduledChunk]]:
@@ -927,12 +932,7 @@ class Engine:
     def follow(self, batch: StageBatch, inputs: torch.Tensor) -> None:
         """A tensor-parallel follower's part of rank 0's forward (tensor_parallel.py): the same layers over its shard,
         the output discarded (no logits rows)."""
-        dev = self.device
-        if self._staggered is not None:
-            self._staggered(batch, inputs.to(dev), torch.empty(0, dtype=torch.long, device=dev))
-            return
-        self.runner.forward(inputs.to(dev), batch.positions_tensor(dev), self.kv, batch.metadata(self.block_size, dev),
-                            torch.empty(0, dtype=torch.long, device=dev))
+        self._compute(batch, inputs, torch.empty(0, dtype=torch.long, device=self.device))
 
     def stagger(self, forward: StaggeredForward | None, whole_blocks: int | None = None) -> None:
         """While a layer-staggered split runs (tp_stagger.py), every step's forward goes through `forward` (token ids,
