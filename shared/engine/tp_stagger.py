@@ -78,12 +78,9 @@ from kunserve.shared.wire.transitions import snapshots_from_bytes, snapshots_to_
 def _move_blocks(engine: Engine, mapping: dict[int, int]) -> None:
     """Copy every layer's block `old` to `new` (mapping: old -> new ids, as the storage reads blocks now). No view
     outlives the call: a pool may unmap the tail next."""
-    src = torch.tensor(list(mapping), dtype=torch.long, device=engine.device)
-    dst = torch.tensor(list(mapping.values()), dtype=torch.long, device=engine.device)
     with torch.inference_mode():
-        for layer in range(engine.runner.start, engine.runner.end):
-            phys = kv_layout.physical_view(engine.kv.layer_cache(layer))
-            phys.index_copy_(0, dst, phys.index_select(0, src))
+        kv_layout.move_blocks((engine.kv.layer_cache(x) for x in range(engine.runner.start, engine.runner.end)),
+                              list(mapping), list(mapping.values()))
 
 
 class _WholeBlocks:

@@ -16,7 +16,7 @@ Kernels that compute addresses themselves take the view's strides (`cpu_kernels.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -59,6 +59,19 @@ def regroup(cache: torch.Tensor, num_blocks: int, heads: int) -> torch.Tensor:
         raise ValueError(f"{num_blocks} blocks of {heads} heads need {num_blocks * heads} heads' bytes, the cache "
                          f"holds {per_head.shape[0]}")
     return logical_view(per_head[: num_blocks * heads].view(num_blocks, heads, *phys.shape[2:]))
+
+
+def move_blocks(caches: Iterable[torch.Tensor], src: Sequence[int], dst: Sequence[int]) -> None:
+    """Copy block src[i] to dst[i] in every cache view (whole physical blocks: contiguous copies), reading every
+    source of a cache before writing any destination, so chains are safe. The caller picks the grad mode: views a
+    forward pass made are inference tensors."""
+    ids = None
+    for cache in caches:
+        phys = physical_view(cache)
+        if ids is None:
+            ids = (torch.tensor(list(src), dtype=torch.long, device=phys.device),
+                   torch.tensor(list(dst), dtype=torch.long, device=phys.device))
+        phys.index_copy_(0, ids[1], phys.index_select(0, ids[0]))
 
 
 def allocate(

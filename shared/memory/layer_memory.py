@@ -793,13 +793,8 @@ class LayerMemoryLayout:
             raise ValueError(f"block ids outside [0, {nb}): {bad[:8]}")
         if len(set(dst)) != len(dst):
             raise ValueError("two blocks would be moved to the same destination")
-        dev = self.pool.device
-        src_t = torch.tensor(src, dtype=torch.long, device=dev)
-        dst_t = torch.tensor(dst, dtype=torch.long, device=dev)
         with torch.no_grad():
-            for x in self.layers:
-                kv = kv_layout.physical_view(self.layer_cache(x))  # whole blocks: contiguous copies
-                kv.index_copy_(0, dst_t, kv.index_select(0, src_t))
+            kv_layout.move_blocks((self.layer_cache(x) for x in self.layers), src, dst)
 
     # ------------------------------------------------------------------ tensor-parallel head split
     def split_kv_heads(self, degree: int, plan: kv_head_split.HeadSplitPlan | None = None) -> HeadSplitResult:
